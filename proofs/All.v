@@ -1,0 +1,2 @@
+(** Umbrella: the whole kvcert development. The statements are listed in spec/theorems.toml. *)
+From KVCert Require Export Softmax Rope Band Value Dither Evict.

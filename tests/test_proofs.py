@@ -1,0 +1,77 @@
+"""The Coq development builds, admits nothing, and every spec theorem rests only on the
+standard library's real-number axioms (checked with Print Assumptions)."""
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import spec
+
+ROOT = Path(__file__).resolve().parent.parent
+PROOFS = ROOT / "proofs"
+THEOREMS, _ = spec.load()
+
+# The axioms that Coq's standard library reals (Rdefinitions, ClassicalDedekindReals) and
+# the classical facts the stdlib's real analysis uses rest on. Nothing of ours.
+STANDARD_AXIOMS = {
+    "ClassicalDedekindReals.sig_forall_dec",
+    "ClassicalDedekindReals.sig_not_dec",
+    "FunctionalExtensionality.functional_extensionality_dep",
+    "Classical_Prop.classic",
+    "PropExtensionality.propositional_extensionality",
+}
+FORBIDDEN = re.compile(r"\b(Admitted|admit|Axiom|Axioms|Parameter|Parameters|Conjecture)\b")
+
+
+@pytest.fixture(scope="module")
+def built():
+    assert shutil.which("coqc"), "coqc is missing: `make test` installs Coq (Debian: coq libcoq-coquelicot libcoq-interval libcoq-flocq)"
+    run = subprocess.run(["make", "-C", str(ROOT), "proofs"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return True
+
+
+def strip_comments(text):
+    while "(*" in text:
+        start = text.index("(*")
+        depth, i = 0, start
+        while i < len(text):
+            if text.startswith("(*", i):
+                depth, i = depth + 1, i + 2
+            elif text.startswith("*)", i):
+                depth, i = depth - 1, i + 2
+                if depth == 0:
+                    break
+            else:
+                i += 1
+        text = text[:start] + text[i:]
+    return text
+
+
+@pytest.mark.parametrize("path", sorted(PROOFS.glob("*.v")), ids=lambda p: p.name)
+def test_no_admits_or_axioms(path):
+    hits = FORBIDDEN.findall(strip_comments(path.read_text()))
+    assert not hits, f"{path.name} uses {sorted(set(hits))}"
+
+
+def test_print_assumptions(built, tmp_path):
+    names = [spec.coq_qualified(r, n) for r in THEOREMS for n in r["coq"]]
+    script = ["From KVCert Require All."]
+    script += [f'Redirect "{tmp_path}/a{i}" Print Assumptions {n}.' for i, n in enumerate(names)]
+    (tmp_path / "check.v").write_text("\n".join(script) + "\n")
+    run = subprocess.run(["coqc", "-R", str(PROOFS), "KVCert", str(tmp_path / "check.v")],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = {}
+    for i, name in enumerate(names):
+        out = (tmp_path / f"a{i}.out").read_text()
+        axioms = set(re.findall(r"^(\S+) :", out, re.M))
+        report[name] = sorted(axioms)
+        extra = axioms - STANDARD_AXIOMS
+        assert not extra, f"{name} rests on non-standard assumptions {sorted(extra)}:\n{out}"
+    print("\nPrint Assumptions summary:")
+    for name, axioms in report.items():
+        print(f"  {name}: {', '.join(axioms) or 'closed'}")
