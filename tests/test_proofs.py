@@ -88,4 +88,4 @@ def test_print_assumptions_catches_an_axiom(built, tmp_path):
     header = "From Coq Require Import Reals.\nAxiom kvcert_cheat : forall x : R, (x < x)%R.\n" \
              "Theorem cheat : (0 < 0)%R. Proof. apply kvcert_cheat. Qed."
     report = print_assumptions(header, ["cheat"], tmp_path)
-    assert report["cheat"] == {"kvcert_cheat"}
+    assert "kvcert_cheat" in report["cheat"] - STANDARD_AXIOMS
