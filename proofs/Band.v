@@ -7,21 +7,11 @@ Open Scope R_scope.
 
 Definition inner (D : nat) (q r : nat -> R) : R := sum D (fun i => q i * r i).
 
-Definition norm (D : nat) (x : nat -> R) : R := sqrt (sum D (fun i => x i ^ 2)).
-
 (** Euclidean norm of the part of [x] that lies in band [b]. *)
 Definition band_norm (D : nat) (band : nat -> nat) (x : nat -> R) (b : nat) : R :=
   sqrt (sum D (fun i => if Nat.eqb (band i) b then x i ^ 2 else 0)).
 
-(** * Finite sums: exchange and splitting over a partition *)
-
-Lemma sum_swap m n (f : nat -> nat -> R) :
-  sum m (fun a => sum n (fun b => f a b)) = sum n (fun b => sum m (fun a => f a b)).
-Proof.
-  induction m as [|m IH]; simpl.
-  - rewrite sum_const. lra.
-  - rewrite IH, <- sum_add. reflexivity.
-Qed.
+(** * Splitting a finite sum over a partition *)
 
 Lemma sum_indicator NB m c :
   (m < NB)%nat -> sum NB (fun b => if Nat.eqb m b then c else 0) = c.
@@ -44,45 +34,6 @@ Proof.
   - symmetry. apply sum_indicator. exact Hb.
   - rewrite Hz, (sum_ext _ _ (fun _ => 0)), sum_const; [lra|].
     intros b _. destruct (Nat.eqb (band i) b); reflexivity.
-Qed.
-
-(** * Cauchy-Schwarz for finite sums, via the Lagrange identity *)
-
-Lemma lagrange_double_sum n (a c : nat -> R) :
-  sum n (fun i => sum n (fun j => (a i * c j - a j * c i) ^ 2))
-  = 2 * (sum n (fun i => a i ^ 2) * sum n (fun j => c j ^ 2)
-         - sum n (fun i => a i * c i) ^ 2).
-Proof.
-  set (A := sum n (fun i => a i ^ 2)).
-  set (C := sum n (fun j => c j ^ 2)).
-  set (P := sum n (fun i => a i * c i)).
-  rewrite (sum_ext _ _ (fun i => a i ^ 2 * C - 2 * (a i * c i) * P + c i ^ 2 * A)).
-  - rewrite sum_add, sum_sub, sum_scal_r, sum_scal_r, sum_scal_r.
-    rewrite sum_scal_l. fold A C P. ring.
-  - intros i _.
-    rewrite (sum_ext _ _ (fun j => a i ^ 2 * c j ^ 2 - 2 * (a i * c i) * (a j * c j)
-                                   + c i ^ 2 * a j ^ 2)) by (intros; ring).
-    rewrite sum_add, sum_sub, !sum_scal_l. fold A C P. ring.
-Qed.
-
-Lemma sq_sum_mul_le n (a c : nat -> R) :
-  sum n (fun i => a i * c i) ^ 2 <= sum n (fun i => a i ^ 2) * sum n (fun i => c i ^ 2).
-Proof.
-  assert (H : 0 <= sum n (fun i => sum n (fun j => (a i * c j - a j * c i) ^ 2))).
-  { apply sum_nonneg. intros i _. apply sum_nonneg. intros j _. apply pow2_ge_0. }
-  rewrite lagrange_double_sum in H. lra.
-Qed.
-
-Lemma abs_sum_mul_le n (a c : nat -> R) :
-  Rabs (sum n (fun i => a i * c i))
-  <= sqrt (sum n (fun i => a i ^ 2)) * sqrt (sum n (fun i => c i ^ 2)).
-Proof.
-  assert (HA : 0 <= sum n (fun i => a i ^ 2)) by (apply sum_nonneg; intros; apply pow2_ge_0).
-  rewrite <- sqrt_mult_alt by exact HA.
-  rewrite <- sqrt_Rsqr_abs. apply sqrt_le_1_alt.
-  replace (Rsqr (sum n (fun i => a i * c i))) with (sum n (fun i => a i * c i) ^ 2)
-    by (unfold Rsqr; ring).
-  apply sq_sum_mul_le.
 Qed.
 
 (** * Band norms *)
@@ -119,8 +70,8 @@ Proof.
   rewrite (sum_ext _ _ (fun i => (if Nat.eqb (band i) b then q i else 0)
                                  * (if Nat.eqb (band i) b then r i else 0)))
     by (intros; destruct (Nat.eqb (band _) b); ring).
-  eapply Rle_trans; [apply abs_sum_mul_le|].
-  unfold band_norm. rewrite !restrict_sq. lra.
+  eapply Rle_trans; [apply cauchy_schwarz_abs|].
+  unfold norm, band_norm. rewrite !restrict_sq. lra.
 Qed.
 
 (** ** T4b *)
@@ -132,8 +83,7 @@ Theorem sum_band_norms_le_norm_mul_norm D NB band q r :
   sum NB (fun b => band_norm D band q b * band_norm D band r b) <= norm D q * norm D r.
 Proof.
   intros Hband.
-  eapply Rle_trans; [apply Rle_abs|].
-  eapply Rle_trans; [apply abs_sum_mul_le|].
+  eapply Rle_trans; [apply cauchy_schwarz|].
   unfold norm. rewrite !sum_band_norm_sq by exact Hband. lra.
 Qed.
 

@@ -327,9 +327,6 @@ Qed.
 
 (** * T6e *)
 
-Lemma sum_succ n f : sum (S n) f = sum n f + f n.
-Proof. reflexivity. Qed.
-
 Lemma budget_schedule_sum_eq T :
   sum T (fun i => 1 / (INR (S i) * (INR (S i) + 1))) = 1 - 1 / (INR T + 1).
 Proof.

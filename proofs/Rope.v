@@ -52,14 +52,6 @@ Qed.
 
 (** * Finite sums split into pairs *)
 
-Lemma sum_split a b f :
-  sum (a + b) f = sum a f + sum b (fun i => f (a + i)%nat).
-Proof.
-  induction b as [|b IH]; simpl.
-  - rewrite Nat.add_0_r. lra.
-  - rewrite Nat.add_succ_r. simpl. rewrite IH. lra.
-Qed.
-
 Lemma sum_pairs_half P f :
   sum (2 * P) f = sum P (fun i => f i + f (i + P)%nat).
 Proof.

@@ -7,12 +7,7 @@ From KVCert Require Import Prelim.
 From Coq Require Import Reals Lra Lia.
 Open Scope R_scope.
 
-(** * Euclidean norm, Cauchy-Schwarz and Minkowski *)
-
-Definition norm (d : nat) (v : nat -> R) : R := sqrt (sum d (fun i => v i ^ 2)).
-
-Lemma norm_nonneg d v : 0 <= norm d v.
-Proof. apply sqrt_pos. Qed.
+(** * Euclidean norm: Minkowski and scaling *)
 
 Lemma norm_ext d u v : (forall i, (i < d)%nat -> u i = v i) -> norm d u = norm d v.
 Proof.
@@ -24,47 +19,6 @@ Lemma norm_zero d : norm d (fun _ => 0) = 0.
 Proof.
   unfold norm. replace (sum d (fun _ => 0 ^ 2)) with 0; [apply sqrt_0|].
   rewrite sum_const. ring.
-Qed.
-
-Lemma sum_sq_nonneg d v : 0 <= sum d (fun i => v i ^ 2).
-Proof. apply sum_nonneg. intros. apply pow2_ge_0. Qed.
-
-(** Lagrange's identity: the Cauchy-Schwarz gap is a sum of squares. *)
-Lemma lagrange_inner d u v i :
-  sum d (fun j => (u i * v j - u j * v i) ^ 2)
-  = u i ^ 2 * sum d (fun j => v j ^ 2) + v i ^ 2 * sum d (fun j => u j ^ 2)
-    - 2 * (u i * v i) * sum d (fun j => u j * v j).
-Proof.
-  rewrite <- !sum_scal_l, <- sum_add, <- sum_sub. apply sum_ext. intros. ring.
-Qed.
-
-Lemma lagrange d u v :
-  sum d (fun i => sum d (fun j => (u i * v j - u j * v i) ^ 2))
-  = 2 * (sum d (fun i => u i ^ 2) * sum d (fun i => v i ^ 2)
-         - sum d (fun i => u i * v i) ^ 2).
-Proof.
-  rewrite (sum_ext d _ _ (fun i _ => lagrange_inner d u v i)).
-  rewrite sum_sub, sum_add, !sum_scal_r.
-  rewrite (sum_scal_l d 2 (fun j => u j * v j)). ring.
-Qed.
-
-Lemma cauchy_schwarz_sq d u v :
-  sum d (fun i => u i * v i) ^ 2
-  <= sum d (fun i => u i ^ 2) * sum d (fun i => v i ^ 2).
-Proof.
-  assert (H : 0 <= sum d (fun i => sum d (fun j => (u i * v j - u j * v i) ^ 2))).
-  { apply sum_nonneg. intros. apply sum_sq_nonneg. }
-  rewrite lagrange in H. lra.
-Qed.
-
-Lemma cauchy_schwarz d u v :
-  sum d (fun i => u i * v i) <= norm d u * norm d v.
-Proof.
-  unfold norm. rewrite <- sqrt_mult_alt by apply sum_sq_nonneg.
-  eapply Rle_trans; [apply Rle_abs|].
-  rewrite <- (sqrt_pow2 (Rabs (sum d (fun i => u i * v i)))) by apply Rabs_pos.
-  rewrite pow2_abs.
-  apply sqrt_le_1_alt. apply cauchy_schwarz_sq.
 Qed.
 
 Lemma norm_add_le d u v :
@@ -123,17 +77,6 @@ Proof.
 Qed.
 
 (** * Signed weights summing to zero *)
-
-Lemma sum_nonneg_eq_0 n f :
-  (forall j, (j < n)%nat -> 0 <= f j) -> sum n f = 0 ->
-  forall j, (j < n)%nat -> f j = 0.
-Proof.
-  induction n as [|n IH]; intros Hf Hs j Hj; [lia|]. simpl in Hs.
-  assert (0 <= sum n f) by (apply sum_nonneg; intros; apply Hf; lia).
-  assert (0 <= f n) by (apply Hf; lia).
-  destruct (Nat.eq_dec j n) as [->|Hjn]; [lra|].
-  apply IH; [intros; apply Hf; lia|lra|lia].
-Qed.
 
 (** Double sum of pairwise differences weighted by positive and negative parts. *)
 Lemma double_sum_diff n (a b : nat -> R) (v : nat -> nat -> R) i :
