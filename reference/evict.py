@@ -1,0 +1,84 @@
+"""Eviction certificates (math.md T7), exact at 60 digits.
+
+Kept set K, evicted set E, p = softmax of all logits, p^K = softmax over K only.
+Group radii are upper bounds that must never come out low: they are computed in interval
+arithmetic (mpmath.iv) and the upper end is returned.
+"""
+from mpmath import exp, mpf, workdps
+
+from reference.band import band_norms, check_partition, witness
+
+DPS = 60
+
+
+@workdps(DPS)
+def evict_tv(x, kept):
+    """TV(p, p^K) = p(E) = Z_E / (Z_K + Z_E), Z_S = sum_{j in S} e^{x_j} (spec T7a).
+
+    x: the logits of every token (kept and evicted); kept: the indices of K (non-empty).
+    """
+    xs = [mpf(v) for v in x]
+    keep = set(kept)
+    if not keep or len(keep) != len(kept) or not keep <= set(range(len(xs))):
+        raise ValueError(f"kept must be distinct indices into x, at least one (got {kept})")
+    top = max(xs)
+    z_kept = mpf(0)
+    z_evicted = mpf(0)
+    for j, v in enumerate(xs):
+        if j in keep:
+            z_kept += exp(v - top)
+        else:
+            z_evicted += exp(v - top)
+    return z_evicted / (z_kept + z_evicted)
+
+
+@workdps(DPS)
+def group_witness(keys, bands):
+    """(n_g, mu_g, radii_g) for one group of evicted keys (spec T7c).
+
+    mu_g = the mean key (60 digits; any centre is sound as long as the radii are measured
+    from it), radii_g[b] >= max_j ||(k_j - mu_g)_b||, each an interval upper end.
+    """
+    if not keys:
+        raise ValueError("group_witness: empty group")
+    D = len(keys[0])
+    check_partition(bands, D)
+    mu = [mpf(0)] * D
+    for k in keys:
+        if len(k) != D:
+            raise ValueError("group_witness: keys of different lengths")
+        mu = [m + mpf(v) for m, v in zip(mu, k)]
+    mu = [m / len(keys) for m in mu]
+    radii = [mpf(0)] * len(bands)
+    for k in keys:
+        radii = [max(r, w) for r, w in zip(radii, witness(k, mu, bands))]
+    return len(keys), mu, radii
+
+
+@workdps(DPS)
+def evict_bound(q, groups, log_z_kept_lower, scale, bands):
+    """U / (L + U) >= TV(p, p^K) (spec T7b, T7c), for any query q.
+
+    groups: a list of (n_g, mu_g, radii_g) covering the evicted tokens, with
+    radii_g[b] >= ||(k_j - mu_g)_b|| for every j in g. Then
+    U = sum_g n_g exp(s <q, mu_g> + s sum_b ||q_b|| R_{g,b}) >= Z_E (T7c) and
+    L = exp(log_z_kept_lower) must be <= Z_K (for instance the exact log Z_K, or
+    log sum_{j in K} e^{x~_j - c_j} under quantization, T7d). No groups: returns 0.
+    """
+    s = mpf(scale)
+    if not s >= 0:
+        raise ValueError(f"scale must be >= 0 (got {scale})")
+    q_norms = band_norms(q, bands)
+    upper = mpf(0)
+    for n_g, mu, radii in groups:
+        if n_g < 0 or len(mu) != len(q) or len(radii) != len(bands) or min(radii) < 0:
+            raise ValueError(f"evict_bound: malformed group (n={n_g}, |mu|={len(mu)}, radii={radii})")
+        centre = mpf(0)
+        for qi, mi in zip(q, mu):
+            centre += mpf(qi) * mpf(mi)
+        spread = mpf(0)
+        for qb, rb in zip(q_norms, radii):
+            spread += qb * mpf(rb)
+        upper += n_g * exp(s * centre + s * spread)
+    lower = exp(mpf(log_z_kept_lower))
+    return upper / (lower + upper)
