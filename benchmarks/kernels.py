@@ -1,0 +1,135 @@
+"""Fast-path benchmark on SmolLM2 shapes (H=9, Hkv=3, D=64), torch path on this CPU.
+
+    python -m benchmarks.kernels                  # torch path on the CPU: results/kernels.json
+    python -m benchmarks.kernels --device cuda    # Triton kernel on a GPU: results/kernels_cuda.json (untested here: no GPU)
+
+Every timing is a ratio against a baseline measured in the same run, the variants
+interleaved repetition by repetition (median of the per-repetition times):
+- meter overhead: decode_attention over an int8 cache with the certificate (zero-memory
+  witness from the scales) / the same call with certify=False;
+- quantized decode attention (with and without certificate) / fp32 sdpa over an
+  unquantized cache;
+and the storage arithmetic: bytes per cached token per KV head (K and V, codes + scales +
+witness) for each codec, and tokens per byte against an fp16 cache.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import fast
+
+ROOT = Path(__file__).resolve().parent.parent
+H, HKV, D, NB = 9, 3, 64, 8
+NS = (512, 2048, 8192)
+
+
+def timed(fn, device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def bench_n(N, reps, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, H, D, generator=g).to(device)
+    k = torch.randn(1, HKV, N, D, generator=g).to(device)
+    v = torch.randn(1, HKV, N, D, generator=g).to(device)
+    kq = fast.quantize(k, "int8", group_size=64)
+    vq = fast.quantize(v, "int8", group_size=64)
+    bands = fast.rope_bands(D, NB)
+    s = D ** -0.5
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    variants = {
+        "sdpa_fp32": lambda: sdpa(q.unsqueeze(2), k, v, scale=s, enable_gqa=True),
+        "int8_no_cert": lambda: fast.decode_attention(q, kq, vq, None, s, bands=bands, certify=False),
+        "int8_cert": lambda: fast.decode_attention(q, kq, vq, None, s, bands=bands),
+    }
+    for fn in variants.values():  # warm up
+        fn()
+    times = {name: [] for name in variants}
+    for _ in range(reps):
+        for name, fn in variants.items():
+            times[name].append(timed(fn, device))
+    med = {name: statistics.median(t) for name, t in times.items()}
+    _, cert = variants["int8_cert"]()
+    return {
+        "N": N, "reps": reps, "median_s": med,
+        "meter_overhead": med["int8_cert"] / med["int8_no_cert"],
+        "int8_cert_vs_sdpa_fp32": med["int8_cert"] / med["sdpa_fp32"],
+        "int8_no_cert_vs_sdpa_fp32": med["int8_no_cert"] / med["sdpa_fp32"],
+        "cert_min_median": float(cert["min"].median()),
+    }
+
+
+def storage():
+    """Bytes per cached token per KV head, K and V together, and tokens per byte vs fp16."""
+    x = torch.randn(1, HKV, 16, D)
+    fp16 = 2 * D * 2
+    rows = []
+    configs = [
+        ("int8 g64, zero-memory witness", "int8", 64, 0),
+        ("int8 g32, zero-memory witness", "int8", 32, 0),
+        ("int8 g64, stored log witness (NB=8)", "int8", 64, NB),
+        ("int8_dither g64, zero-memory witness", "int8_dither", 64, 0),
+        ("int4 g32, zero-memory witness", "int4", 32, 0),
+        ("int4 g64, zero-memory witness", "int4", 64, 0),
+        ("fp8_e4m3, per-token scale, zero-memory witness", "fp8_e4m3", 64, 0),
+        ("fp8_e4m3 raw cast, zero-memory witness", "fp8_e4m3", 0, 0),
+    ]
+    for label, scheme, group, witness_bytes in configs:
+        if scheme.startswith("fp8"):
+            qt = fast.quantize(x, scheme, per_token_scale=group > 0)
+        else:
+            qt = fast.quantize(x, scheme, group_size=group)
+        per = 2 * qt.bytes_per_token_head() + witness_bytes  # K and V; the witness covers K only
+        rows.append({"codec": label, "bytes_per_token_head": per, "tokens_per_byte_vs_fp16": fp16 / per})
+    return {"fp16_bytes_per_token_head": fp16, "codecs": rows}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--out", default=None, help="default: results/kernels.json (cpu), results/kernels_cuda.json (cuda)")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier on a shared machine)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: the Triton kernel (backend auto)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    out = args.out or str(ROOT / "results" / ("kernels.json" if args.device == "cpu" else "kernels_cuda.json"))
+    timings = [bench_n(N, args.reps, args.device) for N in NS]
+    store = storage()
+    table = [[f"meter overhead, N={t['N']} (int8 cert / int8 no cert)", f"{t['meter_overhead']:.2f}x"] for t in timings]
+    table += [[f"int8 decode attention with cert / fp32 sdpa, N={t['N']}", f"{t['int8_cert_vs_sdpa_fp32']:.2f}x"] for t in timings]
+    table += [[f"int8 decode attention without cert / fp32 sdpa, N={t['N']}", f"{t['int8_no_cert_vs_sdpa_fp32']:.2f}x"] for t in timings]
+    table += [[f"{c['codec']}: tokens per byte vs fp16", f"{c['tokens_per_byte_vs_fp16']:.3f}x ({c['bytes_per_token_head']:g} B)"]
+              for c in store["codecs"]]
+    result = {
+        "command": " ".join(["python -m benchmarks.kernels", *(sys.argv[1:] if argv is None else argv)]),
+        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpu_count": os.cpu_count(),
+                    "torch_threads": torch.get_num_threads()},
+        "versions": {"python": platform.python_version(), "torch": torch.__version__},
+        "shapes": {"H": H, "Hkv": HKV, "D": D, "NB": NB, "B": 1},
+        "timings": timings,
+        "storage": store,
+        "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
+        "readme_table": {"title": f"Fast path ({'torch, CPU' if args.device == 'cpu' else 'Triton, ' + args.device}), SmolLM2 shapes H=9, Hkv=3, D=64",
+                         "header": ["measure", "value"], "rows": table},
+    }
+    Path(out).write_text(json.dumps(result, indent=2) + "\n")
+    for row in table:
+        print(" | ".join(row))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+"""One decode step of attention over a (quantized) KV cache, with its certificate.
+
+decode_attention returns the output and, from the same logits, the certificate: the
+forms of math.md T2 built from three running sums over the cache,
+    Z = sum_j e^{x_j - m},  A' = sum_j e^{x_j - m + c_j},  B' = sum_j e^{x_j - m - c_j},
+so A = A'/Z, B = B'/Z and B/A = B'/A' (the Triton kernel carries them online, with the
+running max m, next to the softmax).
+
+What the certificate bounds (math.md T8). x^ are the kernel's fp32 logits; x~ = s<q, k~>
+exactly; x = s<q, k> over the exact keys. fp32 rounding gives |x^_j - x~_j| <= e (one
+bound per row, below), and the witness gives |x_j - x~_j| <= c_j. With
+c_eff = c + 2 e, the reported forms of (softmax(x^), c_eff) are
+- >= the exact formula on the same inputs, forms(softmax(x~), c). Write p~ = softmax(x~),
+  p^ = softmax(x^), d_j = x~_j - x^_j (|d_j| <= e), so p~_j = p^_j e^{d_j} / sum_i p^_i e^{d_i}:
+    A(p~, c) = sum p^ e^{d + c} / sum p^ e^{d} <= e^{e} A(p^, c) / e^{-e} = A(p^, c + 2e),
+    B(p~, c) / A(p~, c) = sum p^ e^{d - c} / sum p^ e^{d + c} >= B(p^, c + e) / A(p^, c + e)
+  and every form is nondecreasing in c, so forms(p~, c) <= forms(p^, c + 2e) (tanh: max c grows);
+- >= TV(softmax(x), softmax(x^)) directly by T2, since |x_j - x^_j| <= c_j + e.
+The sums are computed in fp64 with the margins of fast.certify.
+
+e: the D-term fp32 dot product is within gamma_D sum_i |q_i| |k~_ji| (Higham 3.5, any
+order, FMA or not), the fp32 scale and the product with it add 2 u: e = s (D + 4) u (1.01)
+sum_i |q_i| kmax_i, in fp64, with kmax_i >= |k~_ji| for every token (one bound per channel). This needs fp32 matmuls at full precision
+(torch.get_float32_matmul_precision() == "highest", no TF32): checked at call time.
+
+Inputs: NaN/Inf anywhere (q, keys, values, witness; padding slots included: store zeros
+there) -> ValueError. Checks on keys and values are made on the logits and the output
+([B, H, N] and [B, H, D]), so a cache is never re-read just to validate it.
+"""
+
+import torch
+
+from fast import _checks
+from fast.certify import EXP_EPS, U32, U64, forms_from_sums, gamma, to_fp32, up64
+from fast.quant import QMAX, QTensor, dequantize
+from fast.witness import IN_DTYPES, _check_scale, logit_error_bound64, unpack_witness, witness_from_scales, witness_from_step
+
+
+SATURATE_C = 600.0  # rows with a larger max c report min = 1: e^600 still fits fp64 with room for the sums
+
+
+def _cache_shape(name, t):
+    if isinstance(t, QTensor):
+        return tuple(t.shape)
+    _checks.tensor(name, t, ndim=4, dtypes=IN_DTYPES)
+    return tuple(t.shape)
+
+
+def _check_inputs(q, k, v, rho, scale, bands, valid, exact):
+    """Validate and normalise; returns (s, bands, rho [B,Hkv,N,NB] fp32/fp16, valid, exact)."""
+    _checks.tensor("q", q, ndim=3, dtypes=IN_DTYPES)
+    s = _check_scale(scale)
+    B, H, D = q.shape
+    kshape, vshape = _cache_shape("k", k), _cache_shape("v", v)
+    if kshape[0] != B or kshape[3] != D or vshape[:3] != kshape[:3]:
+        raise ValueError(f"shapes do not line up: q {tuple(q.shape)}, k {kshape}, v {vshape}")
+    Hkv, N = kshape[1], kshape[2]
+    _checks.gqa(H, Hkv)
+    if N == 0:
+        raise ValueError("k: empty cache (N = 0)")
+    bands = _checks.bands_tensor(bands, D).to(q.device)
+    if rho is None:
+        if not isinstance(k, QTensor):
+            raise ValueError("rho: a witness is required for a float key cache")
+    else:
+        if isinstance(rho, torch.Tensor) and rho.dtype == torch.uint8:
+            rho = unpack_witness(rho)
+        _checks.tensor("rho", rho, ndim=4, dtypes=(torch.float32, torch.float16))
+        if tuple(rho.shape) != (B, Hkv, N, bands.shape[0]):
+            raise ValueError(f"rho: shape {tuple(rho.shape)}, expected {(B, Hkv, N, bands.shape[0])}")
+        _checks.nonneg_finite("rho", rho)
+    _checks.finite("q", q)
+    if valid is not None:
+        _checks.tensor("valid", valid, dtypes=(torch.bool,))
+        if tuple(valid.shape) != (B, N):
+            raise ValueError(f"valid: shape {tuple(valid.shape)}, expected {(B, N)}")
+        if not bool(valid.any(-1).all()):
+            raise ValueError("valid: a sequence has no valid token")
+    if exact is not None:
+        _checks.tensor("exact", exact, dtypes=(torch.bool,))
+        if tuple(exact.shape) != (B, Hkv, N):
+            raise ValueError(f"exact: shape {tuple(exact.shape)}, expected {(B, Hkv, N)}")
+    if torch.get_float32_matmul_precision() != "highest":
+        raise ValueError("decode_attention: needs torch.set_float32_matmul_precision('highest') (the logit error bound assumes full fp32 products)")
+    if q.is_cuda and torch.backends.cuda.matmul.allow_tf32:
+        raise ValueError("decode_attention: TF32 matmuls are on; the logit error bound assumes full fp32 products")
+    return s, bands, rho, valid, exact
+
+
+def max_abs(k):
+    """[B, Hkv, D] fp64 >= max over tokens of |k~| per channel (from the scales for a QTensor)."""
+    if isinstance(k, QTensor):
+        return k.max_abs()
+    return k.abs().amax(dim=-2).to(torch.float64)
+
+
+def logit_rounding(q, kmax, s):
+    """e [B, H] fp64 >= |x^_j - s <q, k~_j>| for the fp32 logits x^ (module doc), with
+    sum_i |q_i| |k~_ji| <= sum_i |q_i| kmax_i (kmax: [B, Hkv, D] per-channel bound)."""
+    B, H, D = q.shape
+    Hkv = kmax.shape[1]
+    qk = torch.matmul(q.to(torch.float64).abs().view(B, Hkv, H // Hkv, D), kmax.unsqueeze(-1))  # [B, Hkv, G, 1]
+    return up64(s * qk.view(B, H) * ((D + 4) * U32 * 1.01))
+
+
+def certificate64(x, c, e, valid):
+    """Forms (fp64) from fp32 logits x [B,H,N], fp64 witness bounds c [B,H,N] (0 at exact
+    and invalid tokens), e [B,H] fp64; valid [B,1,N] bool or None.
+
+    With w_j = e^{x_j - m} and E_j = e^{c_j + 2e}: Z = sum w, A' = sum w E, B' = sum w / E.
+    Per-term error: w within EXP_EPS + u64 |x_j - m| (fp64 difference of two fp32 numbers),
+    E within EXP_EPS + u64 (c_j + 2e) (the rounded sum), the product or quotient u64:
+    eps_row = 2 EXP_EPS + u64 (max c + 1600) for every w that does not underflow
+    (|x_j - m| <= 745). An underflowed w stands for a term below e^{-745 + 600} (rows with
+    max c > 600 are saturated by forms_with_margin), absolute, against sums >= 1 (the argmax
+    term has w = 1 exactly), and it only lowers B' and Z, the direction their lower bounds may err.
+    """
+    N = x.shape[-1]
+    ce = c + 2 * e.unsqueeze(-1)  # rounded to nearest: its error is part of eps_row
+    x64 = x.to(torch.float64)
+    if valid is not None:
+        x64 = x64.masked_fill(~valid, -torch.inf)
+        ce = ce.masked_fill(~valid, 0.0)
+    w = torch.exp(x64 - x64.amax(-1, keepdim=True))
+    cmax = up64(ce.amax(-1))  # fl is monotone: one ulp above the largest rounded sum bounds max_j (c_j + 2e)
+    E = torch.exp(ce.clamp(max=SATURATE_C))  # the clamp only touches rows that are saturated anyway
+    a = (w * E).sum(-1)
+    b = (w / E).sum(-1)
+    z = w.sum(-1)
+    margin = 2 * (2 * EXP_EPS + U64 * (cmax + 1600) + gamma(N + 1))
+    return forms_with_margin(a, b, z, cmax, margin)
+
+
+def forms_with_margin(a, b, z, cmax, margin):
+    """Forms from computed sums a ~ A', b ~ B', z ~ Z (fp64, [B, H]) and their relative error
+    bound `margin`. A row with max c > SATURATE_C (logit errors of hundreds: tanh(c/2) = 1
+    already) or a margin that is not small reports the saturated certificate:
+    A' = inf, B' = 0 (so 1 - B/A = 1, e_form = inf, min = 1)."""
+    wild = (margin > 1e-3) | (cmax > SATURATE_C)
+    zero = torch.zeros_like(b)
+    a_up = torch.where(wild, torch.full_like(a, torch.inf), up64(a * (1 + margin)))
+    b_down = torch.where(wild, zero, torch.nextafter(b * (1 - margin), zero))
+    z_down = torch.where(wild, torch.ones_like(z), torch.nextafter(z * (1 - margin), zero))  # Z >= 1: the argmax term
+    z_up = torch.where(wild, torch.full_like(z, torch.inf), up64(z * (1 + margin)))
+    return forms_from_sums(a_up, b_down, z_down, z_up, cmax)
+
+
+def _token_scaled(t):
+    """(codes as fp32 [B,Hkv,N,D], scale [B,Hkv,1,N] fp32) for an int8 cache with one scale per
+    token and head, whose dequantization m * scale is exact (11-bit scale x 8-bit code); else None."""
+    if isinstance(t, QTensor) and t.scheme == "int8" and t.scales.shape[-1] == 1:
+        return t.codes.to(torch.float32), t.scales.to(torch.float32).transpose(-1, -2)
+    return None
+
+
+def token_scale_bound64(q, k, bands, s):
+    """c [B, H, N] fp64 >= s sum_b ||q_b|| rho_b for the zero-memory witness of an integer
+    cache with one scale per token and head: there delta is constant on the token, so
+    rho_{j,b} = h_j sqrt(n_b) (h_j = scale_j (1 + 2^-10) / 2, exact; n_b coordinates in band b)
+    and c_j = h_j kappa with kappa = s sum_b ||q_b|| sqrt(n_b): O(N) per head, no [N, NB] witness.
+    Error (fp64): ||q_b|| and sqrt(n_b) are rounded up, the NB-term sum gamma_NB, the products
+    with s and h_j one rounding each: margin 2 gamma_{NB+3}."""
+    from fast.quant import STEP_MARGIN
+    from fast.witness import band_norms_up
+    B, H, D = q.shape
+    Hkv = k.shape[1]
+    sqrt_n = up64(torch.sqrt(torch.tensor([float(bands.shape[1])], dtype=torch.float64, device=q.device)))
+    kappa = (band_norms_up(q.to(torch.float64), bands) * sqrt_n).sum(-1) * s  # [B, H]
+    h = k.scales.to(torch.float64)[..., 0] * (STEP_MARGIN * 0.5)  # [B, Hkv, N], exact
+    c = kappa.view(B, Hkv, H // Hkv, 1) * h.unsqueeze(2)
+    return up64(c * (1 + 2 * gamma(bands.shape[0] + 3))).view(B, H, -1)
+
+
+def attention_torch(q, k, v, rho, s, bands, valid, exact, certify=True):
+    """Torch twin. Returns out [B, H, D] fp32 and the fp32 certificate dict (or None).
+
+    Logits x^ = fl(fl(q . k~) s32); for an int8 cache with one scale per token the scale is
+    applied to the dot product instead (fl(fl(fl(q . m) scale) s32), k~ = m scale exactly):
+    one more rounding, inside the (D + 4) u of logit_rounding, and no [N, D] multiply.
+    """
+    B, H, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    G = H // Hkv
+    q32 = q.to(torch.float32).view(B, Hkv, G, D)
+    s32 = torch.tensor(s, dtype=torch.float32)
+    ks = _token_scaled(k)
+    if ks is None:
+        kd = dequantize(k) if isinstance(k, QTensor) else k.to(torch.float32)
+        x = torch.matmul(q32, kd.transpose(-1, -2)) * s32
+    else:
+        x = torch.matmul(q32, ks[0].transpose(-1, -2)) * ks[1] * s32
+    x = x.view(B, H, N)
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("k or q: non-finite logits (NaN/Inf in the key cache, or logits overflow fp32)")
+    vmask = None if valid is None else valid.view(B, 1, N)
+    xm = x if vmask is None else x.masked_fill(~vmask, -torch.inf)
+    w = torch.exp(xm - xm.amax(-1, keepdim=True))
+    vs = _token_scaled(v)
+    if vs is None:
+        vd = dequantize(v) if isinstance(v, QTensor) else v.to(torch.float32)
+        out = torch.matmul(w.view(B, Hkv, G, N), vd)
+    else:
+        out = torch.matmul(w.view(B, Hkv, G, N) * vs[1], vs[0])
+    out = out.view(B, H, D) / w.sum(-1, keepdim=True)
+    if not bool(torch.isfinite(out).all()):
+        raise ValueError("v: NaN/Inf in the value cache")
+    if not certify:
+        return out, None
+    c = token_scale_bound64(q, k, bands, s) if rho is None else logit_error_bound64(q, rho, bands, s)
+    if exact is not None:
+        c = c.masked_fill(exact.repeat_interleave(G, dim=1), 0.0)
+    e = logit_rounding(q, max_abs(k), s)
+    return out, to_fp32(certificate64(x, c, e, vmask))
+
+
+def decode_attention(q, k, v, rho, scale, *, bands, valid=None, exact=None, backend="auto", certify=True):
+    """Attention of one decode step and its certificate (math.md T2, T4, T8).
+
+    q: [B, H, D] (post-RoPE); k, v: [B, Hkv, N, D] float or QTensor (dequantized inside);
+    rho: [B, Hkv, N, NB] witness (fp32/fp16, or uint8 log codes), or None for the derived
+    witness of a quantized k; scale: softmax scale; bands: [NB, D/NB] (rope_bands);
+    valid: bool [B, N] (False = padding); exact: bool [B, Hkv, N] (c = 0: tokens held exactly).
+    Returns out [B, H, D] fp32 and a dict of [B, H] fp32: A (up), B (down), max_c and
+    tanh, one_minus_b_over_a, e_form, min (each >= the exact form; min capped at 1).
+    backend: "auto" (Triton on CUDA, torch on CPU), "torch" or "triton".
+    certify=False skips the certificate (the baseline of the meter-overhead benchmark).
+    """
+    s, bands, rho, valid, exact = _check_inputs(q, k, v, rho, scale, bands, valid, exact)
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend: expected 'auto', 'torch' or 'triton', got {backend!r}")
+    if certify and rho is None:  # the zero-memory witness (T4), from the scales: O(N NB)
+        one_scale = k.scheme in QMAX and k.scales.shape[-1] == 1
+        if not one_scale or backend == "triton" or (backend == "auto" and q.is_cuda):
+            rho = witness_from_scales(k, bands) if k.scheme in QMAX else witness_from_step(k.step(), bands)
+        # else: rho stays None and attention_torch uses token_scale_bound64 (same witness, O(N))
+    if backend == "triton" or (backend == "auto" and q.is_cuda):
+        from fast import triton_kernels
+        return triton_kernels.decode_attention(q, k, v, rho, s, bands, valid, exact, certify)
+    return attention_torch(q, k, v, rho, s, bands, valid, exact, certify)
