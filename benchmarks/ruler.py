@@ -1,0 +1,129 @@
+"""RULER-style synthetic retrieval tasks, generated offline with fixed seeds (no downloads).
+
+Tasks (each a haystack of filler sentences with facts hidden at chosen depths):
+    passkey     one 5-digit pass key at a given depth
+    needle      one "special magic number for <word>" needle (single key)
+    multikey    4 needles with different keys; the question asks for one of them
+    multivalue  3 values for the same key; all must be returned
+    vartrack    a chain of variable assignments X1 = 12345, X2 = X1, ...; which variables equal the value
+
+An example is {task, seed, depth, context, question, answers}; `score(text, answers)` is 1 when
+every answer string appears in the model's output. `build(tokenizer, ex, target_tokens)` sizes the
+haystack to about `target_tokens` tokens and returns (input_ids [1, N], n_tokens).
+"""
+
+import random
+
+WORDS = ("apple river stone cloud maple tiger lemon violet copper harbor falcon meadow orbit pepper "
+         "silver thunder willow amber canyon ember frost garnet hazel island jasper lotus marble "
+         "nectar onyx pearl quartz raven saffron topaz umber velvet").split()
+FILLER = [
+    "The grass is green and the sky is blue.",
+    "The sun rises in the east and sets in the west.",
+    "A quiet afternoon passed slowly in the small town.",
+    "Birds sang in the trees while the wind moved the leaves.",
+    "The river kept flowing past the old stone bridge.",
+    "People walked along the market street looking at the stalls.",
+    "Clouds gathered over the hills before the evening rain.",
+    "The library was warm and smelled of old paper.",
+]
+TASKS = ("passkey", "needle", "multikey", "multivalue", "vartrack")
+
+
+def _num(rng):
+    return str(rng.randint(10000, 99999))
+
+
+def make_example(task, seed, depth):
+    """depth in [0, 1]: where the (first) fact sits in the haystack."""
+    rng = random.Random(f"{task}-{seed}")
+    if task == "passkey":
+        key = _num(rng)
+        facts = [f"The pass key is {key}. Remember it. {key} is the pass key."]
+        question = "What is the pass key? The pass key is"
+        answers = [key]
+    elif task == "needle":
+        word, val = rng.choice(WORDS), _num(rng)
+        facts = [f"One of the special magic numbers for {word} is: {val}."]
+        question = f"What is the special magic number for {word}? The special magic number for {word} is"
+        answers = [val]
+    elif task == "multikey":
+        words = rng.sample(WORDS, 4)
+        vals = [_num(rng) for _ in words]
+        facts = [f"One of the special magic numbers for {w} is: {v}." for w, v in zip(words, vals)]
+        pick = rng.randrange(4)
+        question = f"What is the special magic number for {words[pick]}? The special magic number for {words[pick]} is"
+        answers = [vals[pick]]
+    elif task == "multivalue":
+        word = rng.choice(WORDS)
+        vals = [_num(rng) for _ in range(3)]
+        facts = [f"One of the special magic numbers for {word} is: {v}." for v in vals]
+        question = f"What are all the special magic numbers for {word}? The special magic numbers for {word} are"
+        answers = vals
+    elif task == "vartrack":
+        val = _num(rng)
+        names = [f"V{rng.randint(100, 999)}" for _ in range(3)]
+        facts = [f"VAR {names[0]} = {val}."] + [f"VAR {names[i]} = VAR {names[i - 1]}." for i in range(1, 3)]
+        question = f"Which variables are assigned the value {val}? The variables assigned the value {val} are"
+        answers = names
+    else:
+        raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
+    return {"task": task, "seed": seed, "depth": depth, "facts": facts, "question": question, "answers": answers}
+
+
+def _haystack(ex, n_sentences):
+    rng = random.Random(f"hay-{ex['task']}-{ex['seed']}")
+    hay = [rng.choice(FILLER) for _ in range(n_sentences)]
+    # the first fact at `depth`, the others spread after it (in order)
+    start = int(ex["depth"] * n_sentences)
+    spots = sorted({min(n_sentences, start + i * max(1, (n_sentences - start) // (len(ex["facts"]) + 1)))
+                    for i in range(len(ex["facts"]))})
+    while len(spots) < len(ex["facts"]):
+        spots.append(spots[-1])
+    for spot, fact in sorted(zip(spots, ex["facts"]), reverse=True):
+        hay.insert(spot, fact)
+    return " ".join(hay)
+
+
+def split_question(ex):
+    """('What is the pass key?', 'The pass key is'): the question and the answer's prefix."""
+    q, _, prefix = ex["question"].partition("? ")
+    return q + "?", prefix
+
+
+def prompt_text(ex, n_sentences):
+    return ("There is important information hidden in the following text. Find it and memorize it.\n\n"
+            + _haystack(ex, n_sentences) + "\n\n" + split_question(ex)[0])
+
+
+def build(tokenizer, ex, target_tokens):
+    """input_ids [1, N] of at most target_tokens tokens: the chat template with the haystack and
+    the question as the user turn, and the assistant turn opened with the answer's prefix."""
+    import torch
+
+    question, prefix = split_question(ex)
+    tail = torch.tensor([tokenizer(prefix)["input_ids"]])
+
+    def encode(n):
+        msgs = [{"role": "user", "content": prompt_text(ex, n)}]
+        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=False)
+        ids = ids if torch.is_tensor(ids) else torch.tensor([ids])
+        return torch.cat([ids, tail], 1)
+
+    per = len(tokenizer(" ".join(FILLER))["input_ids"]) / len(FILLER)
+    n = max(1, int(target_tokens / per))
+    ids = encode(n)
+    while ids.shape[1] > target_tokens and n > 1:              # trim to fit
+        n = max(1, int(n * target_tokens / ids.shape[1]) - 1)
+        ids = encode(n)
+    return ids, ids.shape[1]
+
+
+def score(text, answers):
+    return int(all(a in text for a in answers))
+
+
+def examples(n, *, tasks=TASKS, seed0=0):
+    """n examples cycling over tasks and depths (0.1 .. 0.9), fixed seeds."""
+    depths = [0.1, 0.3, 0.5, 0.7, 0.9]
+    return [make_example(tasks[i % len(tasks)], seed0 + i, depths[(i // len(tasks)) % len(depths)]) for i in range(n)]
