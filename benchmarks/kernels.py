@@ -100,7 +100,7 @@ def storage():
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--reps", type=int, default=400)
     ap.add_argument("--out", default=None, help="default: results/kernels.json (cpu), results/kernels_cuda.json (cuda)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier on a shared machine)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: the Triton kernel (backend auto)")
@@ -117,7 +117,7 @@ def main(argv=None):
     result = {
         "command": " ".join(["python -m benchmarks.kernels", *(sys.argv[1:] if argv is None else argv)]),
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpu_count": os.cpu_count(),
-                    "torch_threads": torch.get_num_threads()},
+                    "torch_threads": torch.get_num_threads(), "loadavg_1min_at_end": os.getloadavg()[0]},
         "versions": {"python": platform.python_version(), "torch": torch.__version__},
         "shapes": {"H": H, "Hkv": HKV, "D": D, "NB": NB, "B": 1},
         "timings": timings,

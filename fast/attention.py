@@ -4,7 +4,9 @@ decode_attention returns the output and, from the same logits, the certificate: 
 forms of math.md T2 built from three running sums over the cache,
     Z = sum_j e^{x_j - m},  A' = sum_j e^{x_j - m + c_j},  B' = sum_j e^{x_j - m - c_j},
 so A = A'/Z, B = B'/Z and B/A = B'/A' (the Triton kernel carries them online, with the
-running max m, next to the softmax).
+running max m, next to the softmax). The torch twin sums instead, without cancellation,
+    Z,  P = A' - Z = sum_j e^{x_j - m} expm1(c_j),  M = Z - B' = sum_j e^{x_j - m} (1 - e^{-c_j}),
+reusing the softmax's own fp32 weights e^{x_j - m} (fast.certify.forms_from_pmz).
 
 What the certificate bounds (math.md T8). x^ are the kernel's fp32 logits; x~ = s<q, k~>
 exactly; x = s<q, k> over the exact keys. fp32 rounding gives |x^_j - x~_j| <= e (one
@@ -16,7 +18,8 @@ c_eff = c + 2 e, the reported forms of (softmax(x^), c_eff) are
     B(p~, c) / A(p~, c) = sum p^ e^{d - c} / sum p^ e^{d + c} >= B(p^, c + e) / A(p^, c + e)
   and every form is nondecreasing in c, so forms(p~, c) <= forms(p^, c + 2e) (tanh: max c grows);
 - >= TV(softmax(x), softmax(x^)) directly by T2, since |x_j - x^_j| <= c_j + e.
-The sums are computed in fp64 with the margins of fast.certify.
+The sums and their margins: fast.certify.forms_from_pmz (fp32 terms, fp64 sums, any order:
+proofs/Float.v), and attention_torch for when the fp64 terms are used instead.
 
 e: the D-term fp32 dot product is within gamma_D sum_i |q_i| |k~_ji| (Higham 3.5, any
 order, FMA or not), the fp32 scale and the product with it add 2 u: e = s (D + 4) u (1.01)
@@ -28,15 +31,18 @@ there) -> ValueError. Checks on keys and values are made on the logits and the o
 ([B, H, N] and [B, H, D]), so a cache is never re-read just to validate it.
 """
 
+import math
+
+import numpy as np
 import torch
 
 from fast import _checks
-from fast.certify import EXP_EPS, U32, U64, forms_from_sums, gamma, to_fp32, up64
-from fast.quant import QMAX, QTensor, dequantize
+from fast.certify import CMAX32, SATURATE_C, U32, _up, forms_from_pmz, forms_from_sums, gamma, up64
+from fast.quant import QMAX, STEP_MARGIN, QTensor, dequantize
 from fast.witness import IN_DTYPES, _check_scale, logit_error_bound64, unpack_witness, witness_from_scales, witness_from_step
 
 
-SATURATE_C = 600.0  # rows with a larger max c report min = 1: e^600 still fits fp64 with room for the sums
+F32_MIN_N = 256  # from this many tokens on, the certificate reuses the fp32 softmax weights (see attention_torch)
 
 
 def _cache_shape(name, t):
@@ -97,38 +103,18 @@ def max_abs(k):
 def logit_rounding(q, kmax, s):
     """e [B, H] fp64 >= |x^_j - s <q, k~_j>| for the fp32 logits x^ (module doc), with
     sum_i |q_i| |k~_ji| <= sum_i |q_i| kmax_i (kmax: [B, Hkv, D] per-channel bound)."""
-    B, H, D = q.shape
+    e = logit_rounding_np(q.to(torch.float64).cpu().numpy(), kmax.cpu().numpy(), s)
+    return torch.from_numpy(e).to(q.device)
+
+
+def logit_rounding_np(q64, kmax, s):
+    """logit_rounding on numpy fp64 arrays q64 [B, H, D], kmax [B, Hkv, D] (small: numpy is
+    cheaper per op than torch). The fp64 sum and the product with s may round down by
+    O(D u64) relative: far inside the 1.01 of the formula; the last product is rounded up."""
+    B, H, D = q64.shape
     Hkv = kmax.shape[1]
-    qk = torch.matmul(q.to(torch.float64).abs().view(B, Hkv, H // Hkv, D), kmax.unsqueeze(-1))  # [B, Hkv, G, 1]
-    return up64(s * qk.view(B, H) * ((D + 4) * U32 * 1.01))
-
-
-def certificate64(x, c, e, valid):
-    """Forms (fp64) from fp32 logits x [B,H,N], fp64 witness bounds c [B,H,N] (0 at exact
-    and invalid tokens), e [B,H] fp64; valid [B,1,N] bool or None.
-
-    With w_j = e^{x_j - m} and E_j = e^{c_j + 2e}: Z = sum w, A' = sum w E, B' = sum w / E.
-    Per-term error: w within EXP_EPS + u64 |x_j - m| (fp64 difference of two fp32 numbers),
-    E within EXP_EPS + u64 (c_j + 2e) (the rounded sum), the product or quotient u64:
-    eps_row = 2 EXP_EPS + u64 (max c + 1600) for every w that does not underflow
-    (|x_j - m| <= 745). An underflowed w stands for a term below e^{-745 + 600} (rows with
-    max c > 600 are saturated by forms_with_margin), absolute, against sums >= 1 (the argmax
-    term has w = 1 exactly), and it only lowers B' and Z, the direction their lower bounds may err.
-    """
-    N = x.shape[-1]
-    ce = c + 2 * e.unsqueeze(-1)  # rounded to nearest: its error is part of eps_row
-    x64 = x.to(torch.float64)
-    if valid is not None:
-        x64 = x64.masked_fill(~valid, -torch.inf)
-        ce = ce.masked_fill(~valid, 0.0)
-    w = torch.exp(x64 - x64.amax(-1, keepdim=True))
-    cmax = up64(ce.amax(-1))  # fl is monotone: one ulp above the largest rounded sum bounds max_j (c_j + 2e)
-    E = torch.exp(ce.clamp(max=SATURATE_C))  # the clamp only touches rows that are saturated anyway
-    a = (w * E).sum(-1)
-    b = (w / E).sum(-1)
-    z = w.sum(-1)
-    margin = 2 * (2 * EXP_EPS + U64 * (cmax + 1600) + gamma(N + 1))
-    return forms_with_margin(a, b, z, cmax, margin)
+    qk = np.matmul(np.abs(q64).reshape(B, Hkv, H // Hkv, D), kmax[..., None])  # [B, Hkv, G, 1]
+    return _up(s * qk.reshape(B, H) * ((D + 4) * U32 * 1.01))
 
 
 def forms_with_margin(a, b, z, cmax, margin):
@@ -153,22 +139,73 @@ def _token_scaled(t):
     return None
 
 
-def token_scale_bound64(q, k, bands, s):
-    """c [B, H, N] fp64 >= s sum_b ||q_b|| rho_b for the zero-memory witness of an integer
-    cache with one scale per token and head: there delta is constant on the token, so
-    rho_{j,b} = h_j sqrt(n_b) (h_j = scale_j (1 + 2^-10) / 2, exact; n_b coordinates in band b)
-    and c_j = h_j kappa with kappa = s sum_b ||q_b|| sqrt(n_b): O(N) per head, no [N, NB] witness.
-    Error (fp64): ||q_b|| and sqrt(n_b) are rounded up, the NB-term sum gamma_NB, the products
-    with s and h_j one rounding each: margin 2 gamma_{NB+3}."""
-    from fast.quant import STEP_MARGIN
-    from fast.witness import band_norms_up
+def token_kappa64(q64, bands, s):
+    """kappa [B, H] (numpy fp64) >= s sum_b ||q_b|| sqrt(n_b) (n_b coordinates in band b), so that
+    the zero-memory witness of an integer cache with one scale per token and head gives
+    c_j = kappa h_j (rho_{j,b} = h_j sqrt(n_b), h_j = scale_j (1 + 2^-10) / 2, delta constant on
+    the token): O(N) per head, no [N, NB] witness. In numpy ([B, H] is small: fewer op costs).
+    ||q_b||: as fast.witness.band_norms_up (squares exact in fp64, W-term sum, sqrt: 2 gamma_{W+4})
+    rounded up; sqrt(n_b) correctly rounded (IEEE), rounded up; the NB-term sum gamma_NB, the
+    product with s one rounding, one more for a later product with h_j: margin 2 gamma_{NB+3}."""
+    NB, W = bands.shape
+    qb = q64[..., bands.cpu().numpy()]  # [B, H, NB, W]
+    norms = _up(np.sqrt((qb * qb).sum(-1)) * (1 + 2 * gamma(W + 4)))
+    kappa = norms.sum(-1) * _up(math.sqrt(W)) * s
+    return _up(kappa * (1 + 2 * gamma(NB + 3)))
+
+
+def token_scale_h(k, valid, exact):
+    """h_j = scale_j (1 + 2^-10) / 2, fp32 [B, Hkv, N], exact (an 11-bit fp16 scale times the
+    11-bit constant 2^-1 + 2^-11, no underflow), set to 0 at exact and at padding tokens."""
+    h = k.scales[..., 0].to(torch.float32) * (STEP_MARGIN * 0.5)
+    if exact is not None:
+        h = h.masked_fill(exact, 0.0)
+    if valid is not None:
+        h = h.masked_fill(~valid.unsqueeze(1), 0.0)
+    return h
+
+
+def witness_bounds(q, q64, k, rho, bands, s, valid, exact, dtype):
+    """(c [B, H, N], cmax [B, H]) in dtype (fp32 or fp64): c_j + 2^-150 >= the exact witness
+    bound s sum_b ||q_b|| rho_{j,b} of every valid, non-exact token; c = 0 at exact and at padding
+    tokens; cmax = max_j c_j. fp32 from an fp64 value y >= c_exact: fl32(y (1 + 2^-22)) >=
+    y (1 + 2^-22)(1 - u64)(1 - u32) - 2^-150 >= y - 2^-150 (rounding to nearest: relative u32
+    above the least normal 2^-126, absolute 2^-150 below it; Float.v rn_ge_sub_of_nonneg).
+    fp32 products fl32(kappa32 h_j) with kappa32 >= kappa (1 + 2^-22): the same argument, and
+    max_j fl32(kappa32 h_j) = fl32(kappa32 max_j h_j) (rounding is monotone)."""
     B, H, D = q.shape
-    Hkv = k.shape[1]
-    sqrt_n = up64(torch.sqrt(torch.tensor([float(bands.shape[1])], dtype=torch.float64, device=q.device)))
-    kappa = (band_norms_up(q.to(torch.float64), bands) * sqrt_n).sum(-1) * s  # [B, H]
-    h = k.scales.to(torch.float64)[..., 0] * (STEP_MARGIN * 0.5)  # [B, Hkv, N], exact
-    c = kappa.view(B, Hkv, H // Hkv, 1) * h.unsqueeze(2)
-    return up64(c * (1 + 2 * gamma(bands.shape[0] + 3))).view(B, H, -1)
+    Hkv, N = k.shape[1], k.shape[2]
+    G = H // Hkv
+    if rho is None:  # integer cache, one scale per token and head: c_j = kappa h_j
+        kappa = token_kappa64(q64, bands, s)
+        h = token_scale_h(k, valid, exact)
+        if dtype == torch.float64:
+            c = up64(torch.from_numpy(kappa).to(q.device).view(B, Hkv, G, 1) * h.to(torch.float64).unsqueeze(2)).view(B, H, N)
+            return c, c.amax(-1)
+        k1 = _up(kappa * (1 + 2.0 ** -22))
+        k32 = k1.astype(np.float32)
+        k32 = torch.from_numpy(np.where(k32 < k1, np.nextafter(k32, np.float32(np.inf)), k32)).to(q.device).view(B, Hkv, G, 1)
+        c = (k32 * h.unsqueeze(2)).view(B, H, N)
+        return c, (k32 * h.amax(-1).view(B, Hkv, 1, 1)).view(B, H)
+    c = logit_error_bound64(q, rho, bands, s)
+    if exact is not None:
+        c = c.masked_fill(exact.repeat_interleave(G, dim=1), 0.0)
+    if valid is not None:
+        c = c.masked_fill(~valid.unsqueeze(1), 0.0)
+    if dtype == torch.float32:
+        c = c.mul_(1 + 2.0 ** -22).to(torch.float32)
+    return c, c.amax(-1)
+
+
+def weighted_sums(w, c):
+    """fp64 [3, B, H]: Z = sum w, P = sum w expm1(c), M = sum w (1 - e^-c) = sum w expm1(c) / (1 + expm1(c)),
+    for w, c [B, H, N] of one dtype (terms formed in that dtype, summed in fp64). No cancellation."""
+    t = torch.empty((2,) + tuple(w.shape), dtype=w.dtype, device=w.device)
+    torch.expm1(c, out=t[0])
+    torch.add(t[0], 1, out=t[1])
+    torch.div(t[0], t[1], out=t[1])
+    t.mul_(w)
+    return torch.cat([w.sum(-1, dtype=torch.float64).unsqueeze(0), t.sum(-1, dtype=torch.float64)])
 
 
 def attention_torch(q, k, v, rho, s, bands, valid, exact, certify=True):
@@ -177,6 +214,11 @@ def attention_torch(q, k, v, rho, s, bands, valid, exact, certify=True):
     Logits x^ = fl(fl(q . k~) s32); for an int8 cache with one scale per token the scale is
     applied to the dot product instead (fl(fl(fl(q . m) scale) s32), k~ = m scale exactly):
     one more rounding, inside the (D + 4) u of logit_rounding, and no [N, D] multiply.
+    The certificate reuses the softmax's own fp32 weights w and fp32 witness bounds c when
+    N >= F32_MIN_N and every row has max c_eff <= CMAX32 (margins in
+    fast.certify.forms_from_pmz: a relative few 1e-6, fine for the 1e-4 tolerance of the
+    conformance suite); otherwise (rows with large c, or few tokens, where the fp64
+    margins keep the twin within 1e-6 of the Triton kernel) it recomputes w and c in fp64.
     """
     B, H, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
@@ -206,11 +248,18 @@ def attention_torch(q, k, v, rho, s, bands, valid, exact, certify=True):
         raise ValueError("v: NaN/Inf in the value cache")
     if not certify:
         return out, None
-    c = token_scale_bound64(q, k, bands, s) if rho is None else logit_error_bound64(q, rho, bands, s)
-    if exact is not None:
-        c = c.masked_fill(exact.repeat_interleave(G, dim=1), 0.0)
-    e = logit_rounding(q, max_abs(k), s)
-    return out, to_fp32(certificate64(x, c, e, vmask))
+    q64 = q.to(torch.float64).cpu().numpy()  # [B, H]-sized work runs in numpy
+    e = logit_rounding_np(q64, max_abs(k).cpu().numpy(), s)
+    if N >= F32_MIN_N:
+        c, cmax = witness_bounds(q, q64, k, rho, bands, s, valid, exact, torch.float32)
+        if float(cmax.max()) + 2 * float(e.max()) < CMAX32:  # else forms_from_pmz would refuse the row
+            cert = forms_from_pmz(weighted_sums(w, c), cmax, e, N, D, torch.float32)
+            if cert is not None:
+                return out, cert
+    c, cmax = witness_bounds(q, q64, k, rho, bands, s, valid, exact, torch.float64)
+    x64 = xm.to(torch.float64)
+    w64 = torch.exp(x64 - x64.amax(-1, keepdim=True))
+    return out, forms_from_pmz(weighted_sums(w64, c.clamp(max=SATURATE_C)), cmax, e, N, D, torch.float64)
 
 
 def decode_attention(q, k, v, rho, scale, *, bands, valid=None, exact=None, backend="auto", certify=True):

@@ -1,26 +1,42 @@
 """Observable TV forms (math.md T1c, T2) computed so they are never below the exact value.
 
-Floating point (math.md T8, spec assumption A5). The sums run in fp64 and the result is
-rounded UP to fp32. Why fp64: with fp32 sums the rigorous margin gamma_N (N u, u = 2^-24)
-reaches ~2.4e-4 at N = 4096, far above the 1e-6 slack a useful bound may add to
-1 - B/A; in fp64 (u64 = 2^-53) the same margin is ~5e-13. The cost is O(N) per row,
-against the O(N D) of the attention that produced p_tilde.
+Floating point (math.md T8, spec assumption A5). Two uses, one error model.
 
-Error model (fp64, round to nearest, u64 = 2^-53):
-- torch.exp / torch.tanh in fp64 are within 2 ulp (Sleef u10 / glibc on CPU: 1 ulp;
-  CUDA exp: 1 ulp, tanh: 2 ulp). One ulp is at most 2 u64 relative, so EXP_EPS = 8 u64
-  (a factor 2 of slack on top).
+tv_bound_forms (and forms_from_sums): the terms and sums run in fp64 and the result is
+rounded UP to fp32. Why fp64: with fp32 terms summed in fp32 the rigorous margin gamma_N
+(N u, u = 2^-24) reaches ~2.4e-4 at N = 4096, far above the 1e-6 slack a useful bound may
+add to 1 - B/A; in fp64 (u64 = 2^-53) the same margin is ~5e-13.
+
+forms_from_pmz (the decode certificate of fast.attention): the per-token terms are fp32
+(they reuse the softmax's fp32 weights), the sums fp64 (torch.sum(..., dtype=float64)
+accumulates in fp64), and the quantities are chosen so that nothing cancels:
+Z, P = sum w expm1(c), M = sum w (1 - e^-c), 1 - B/A = (P + M)/(Z + P). Every error is then
+relative to its own term: a few u32 per term plus gamma_N(u64) per sum, ~1e-5 in all,
+against the 1e-4 relative tolerance; the cancellation of 1 - B'/A' that forced fp64 terms is
+gone. See its docstring for the per-term budget.
+
+Error model (fp64, round to nearest, u64 = 2^-53; fp32 the same with u32 = 2^-24):
+- torch.exp / torch.expm1 / torch.tanh are within 2 ulp (Sleef u10 / glibc on CPU: 1 ulp;
+  CUDA exp: 1 ulp, tanh: 2 ulp; fp32 exp and expm1 measured <= 0.75 ulp on the ranges used).
+  One ulp is at most 2 u relative, so EXP_EPS = 8 u64 and EXP32_EPS = 8 u32 (a factor 2 of slack).
 - each product p_j e^{+-c_j}: one rounding, relative u64;
-- an N-term sum of nonnegative terms: relative gamma_{N-1} (Higham, Thm 3.1, any order).
+- an N-term sum of nonnegative terms, in any order (any summation tree): the exact sum is at
+  most the computed one / (1 - gamma_N) (proofs/Float.v: exact_tree_le_computed_div_size_of_nonneg_f64
+  for binary64, exact_tree_le_computed_div_of_nonneg_fmt for any format; a tree of known
+  depth t gives (1 - u)^t, pow_depth_exact_le_ftree), and at least computed / (1 + u)^(N-1) (each rounded addition of
+  nonnegative numbers is at most (1 + u) times the exact one; Higham, Thm 3.1).
 Hence exact A' <= computed A' (1 + EXP_EPS)(1 + u64)/(1 - gamma_N) <= computed A' * (1 + 2 (EXP_EPS + gamma_{N+1}))
 (the factor 2 absorbs the second-order terms while (N + 10) u64 < 1e-3), and symmetrically
 exact B' >= computed B' * (1 - 2 (EXP_EPS + gamma_{N+1})). After every further single
 operation the result is moved one ulp outward (`up64` / `down64`): a correctly rounded
 result is within half an ulp of the exact one, so one ulp outward is a rigorous bound.
+Values below the least normal number (gradual underflow, A5) carry an absolute error of at
+most that number (Float.v, rn_ge_sub_of_nonneg); forms_from_pmz adds it explicitly.
 """
 
 import math
 
+import numpy as np
 import torch
 
 from fast import _checks
@@ -28,7 +44,14 @@ from fast import _checks
 U32 = 2.0 ** -24
 U64 = 2.0 ** -53
 EXP_EPS = 8 * U64
+EXP32_EPS = 8 * U32  # fp32 exp / expm1 (Sleef u10: 1 ulp; measured <= 0.75 ulp): 2 ulp, twice over
 FORMS = ("tanh", "one_minus_b_over_a", "e_form", "min")
+CERT_KEYS = ("A", "B", "max_c", "tanh", "one_minus_b_over_a", "e_form", "min")
+SATURATE_C = 600.0  # rows with a larger max c report min = 1: e^600 still fits fp64 with room for the sums
+CMAX32 = 40.0  # forms_from_pmz takes fp32 terms only for rows with max c_eff <= CMAX32
+TINY = {torch.float32: 2.0 ** -126, torch.float64: 2.0 ** -1022}  # least normal number
+T_CUT = {torch.float32: 88.0, torch.float64: 709.0}  # e^-T_CUT < TINY
+UNIT = {torch.float32: (U32, EXP32_EPS), torch.float64: (U64, EXP_EPS)}
 
 
 def gamma(n, u=U64):
@@ -144,3 +167,92 @@ def tv_bound_forms(p_tilde, c):
     a_up, b_down, _, _ = weighted_sums(p, c64)
     one = torch.ones_like(a_up)  # p_tilde is used as given: Z = 1 exactly
     return to_fp32(forms_from_sums(a_up, b_down, one, one, c64.amax(-1)))
+
+
+def _up(x):
+    """numpy fp64: one ulp toward +inf."""
+    return np.nextafter(x, np.inf)
+
+
+def _down(x):
+    return np.nextafter(x, -np.inf)
+
+
+def forms_from_pmz(sums, cmax, e, n, d_head, dtype):
+    """The decode certificate (fast.attention) from the weighted sums of one step.
+
+    sums: fp64 [3, B, H], the computed Z = sum w_j, P = sum w_j expm1(c_j), M = sum w_j (1 - e^-c_j)
+    (fast.attention.weighted_sums), each term formed in `dtype` (fp32 or fp64) and summed in fp64,
+    w_j = fl(exp(fl(x_j - m))) the softmax weights of the fp32 logits x (0 at padding), c_j the
+    witness bounds in dtype (c_j + 2^-150 >= the exact bound); cmax [B, H] >= max_j c_j; e [B, H]
+    fp64 numpy, the logit rounding bound (fast.attention.logit_rounding); n tokens, d_head = D.
+    Returns the fp32 dict (A up, B down, max_c, tanh, one_minus_b_over_a, e_form, min), or None
+    when dtype is fp32 and a row has max c_eff > CMAX32 (the caller redoes it in fp64); fp64
+    rows with max c_eff > SATURATE_C report the saturated certificate (A = inf, min = 1).
+
+    Exact targets, with c_eff = c + 2e (fast.attention) and w_j = e^{x_j - m} exactly:
+    Z, P_eff = sum w expm1(c_eff), M_eff = sum w (1 - e^-c_eff); A = 1 + P_eff/Z,
+    B = 1 - M_eff/Z, 1 - B/A = (P_eff + M_eff)/(Z + P_eff), e_form = (A^2 - 1)/2 = (P/Z)(1 + P/(2Z)):
+    sums of nonnegative terms, no cancellation. With d >= 2e + 2^-149 (so c_eff <= c + d),
+    expm1(a + d) = e^d expm1(a) + expm1(d), 1 - e^-(a+d) = e^-d (1 - e^-a) + (1 - e^-d):
+    P_eff <= e^d P + expm1(d) Z, M_eff <= e^-d M + (1 - e^-d) Z. Every form is nondecreasing in P (at the exact Z >= M), in M, and nonincreasing in Z:
+    P, M bounded up, Z down.
+
+    The sums. Per-term error, relative to the exact term, first order (u = unit roundoff of dtype):
+    - w_j: the difference x_j - m rounds with relative u, i.e. the exponent moves by u |x_j - m|,
+      at most u T with T = min(2e / ((D + 4) u32), T_CUT): |x_j| <= s sum |q||kmax| + e and e
+      carries (D + 4) u32 1.01 times that sum, so |x_j - m| <= 2e / ((D + 4) u32) (the 1.01 pays
+      for 2 u32 e and the fp64 error of e); a term with |x_j - m| > T_CUT is below TINY and goes
+      to the absolute part. exp: eps (EXP_EPS / EXP32_EPS).
+    - expm1(c_j): eps; for M, 1 + expm1 and the division: 2u (y/(1+y) has relative
+      sensitivity <= 1 to y); the product with w_j: u.
+    - the fp64 sum of n nonnegative terms (fp32 values, exact in fp64) in any order:
+      gamma_n(u64) (proofs/Float.v, exact_tree_le_computed_div_size_of_nonneg_f64; the
+      other side: each rounded addition of nonnegative numbers is at most (1 + u) times exact).
+    r1 = u T + 2 eps + 3u + gamma_n; the products and quotients of all (1 +- delta) factors lie
+    within 1 +- 2 r1 while r1 <= 1e-3 (e^x <= 1 + 2x, 1/(1 - x) <= 1 + 2x): margin = 2 r1, and the
+    few roundings of r1 itself are far inside that factor 2.
+    Absolute part: results below TINY (gradual underflow, spec A5) err by at most TINY each; with
+    w <= 1 and expm1(c) <= e^cap: at most 8 TINY e^cap per term, alpha = n 8 TINY e^cap per sum;
+    for Z, whose exact value is >= 1 (the argmax term) and computed one >= 1/2, alpha <= 2 alpha Z.
+
+    After the sums ([B, H] fp64, numpy). d and cm are rounded up op by op (nextafter). The rest
+    is +, x, / of nonnegative numbers (no cancellation; inputs bounded in the direction that
+    moves each output up), each correctly rounded: an output after k roundings is within
+    (1 + u64)^k / (1 - u64)^k of its exact value at the bounds, k <= 24 here (e_form, the
+    longest chain), so a final factor 1 + 2^-46 (= 128 u64) and one ulp up cover it. expm1 and
+    tanh (torch, fp64) within EXP_EPS; e^d = 1 + expm1(d), e^-d = 1 - |expm1(-d)| are sums near 1
+    (no cancellation). B = 1 - M/Z: one subtraction, moved one ulp down.
+    """
+    u, eps = UNIT[dtype]
+    cap = CMAX32 if dtype == torch.float32 else SATURATE_C
+    z, p, m = sums.cpu().numpy()
+    cmax = cmax.cpu().numpy().astype(np.float64)
+    d = _up(2 * e + 2.0 ** -149)
+    cm = _up(cmax + d)  # >= max_j c_eff_j
+    margin = 2 * (u * np.minimum(2 * e / ((d_head + 4) * U32), T_CUT[dtype]) + 2 * eps + 3 * u + gamma(n))
+    wild = (cm > cap) | (margin > 2e-3)
+    if dtype == torch.float32 and wild.any():
+        return None
+    alpha = n * 8 * TINY[dtype] * math.exp(cap)
+    with np.errstate(over="ignore", invalid="ignore"):  # saturated rows only: replaced below
+        em_d, om_d = np.abs(torch.expm1(torch.from_numpy(np.stack([d, -d]))).numpy())  # expm1(d), 1 - e^-d
+        z_up = z * (1 + margin + 2 * alpha)
+        z_dn = z * (1 - margin - 2 * alpha)
+        p_eff = (1 + em_d * (1 + EXP_EPS)) * (p * (1 + margin) + alpha) + em_d * (1 + EXP_EPS) * z_up
+        m_eff = (1 - om_d * (1 - EXP_EPS)) * (m * (1 + margin) + alpha) + om_d * (1 + EXP_EPS) * z_up
+        pz = p_eff / z_dn  # A - 1
+        tanh = torch.tanh(torch.from_numpy(cm * 0.5)).numpy() * (1 + EXP_EPS)  # cm * 0.5 exact: cm >= 2^-149 is normal
+        rows = np.stack([1 + pz, m_eff / z_dn, tanh, (p_eff + m_eff) / (z_dn + p_eff), pz * (1 + 0.5 * pz)])
+        a, mz, tanh, one_minus, e_form = _up(rows * (1 + 2.0 ** -46))
+    neg_b = np.minimum(_up(mz - 1), 0.0)  # -B rounded up; B >= 0
+    tanh, one_minus = np.minimum(tanh, 1.0), np.minimum(one_minus, 1.0)  # both <= 1 exactly
+    if wild.any():  # saturated rows: A' = inf, B' = 0
+        a, neg_b, one_minus, e_form = (np.where(wild, v, x) for v, x in ((np.inf, a), (0.0, neg_b), (1.0, one_minus), (np.inf, e_form)))
+    lowest = np.clip(np.minimum(np.minimum(tanh, one_minus), e_form), 0.0, 1.0)  # TV lies in [0, 1]
+    out = np.stack([a, neg_b, cm, tanh, one_minus, e_form, lowest])
+    with np.errstate(over="ignore"):
+        out32 = out.astype(np.float32)
+    out32 = np.where(out32 < out, np.nextafter(out32, np.float32(np.inf)), out32)  # rounded up to fp32
+    out32[1] = -out32[1]  # B rounded down
+    return dict(zip(CERT_KEYS, torch.from_numpy(out32).to(sums.device).unbind(0)))
