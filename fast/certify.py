@@ -220,9 +220,9 @@ def forms_from_pmz(sums, cmax, e, n, d_head, dtype):
     is +, x, / of nonnegative numbers (no cancellation; inputs bounded in the direction that
     moves each output up), each correctly rounded: an output after k roundings is within
     (1 + u64)^k / (1 - u64)^k of its exact value at the bounds, k <= 24 here (e_form, the
-    longest chain), so a final factor 1 + 2^-46 (= 128 u64) and one ulp up cover it. expm1 and
-    tanh (torch, fp64) within EXP_EPS; e^d = 1 + expm1(d), e^-d = 1 - |expm1(-d)| are sums near 1
-    (no cancellation). B = 1 - M/Z: one subtraction, moved one ulp down.
+    longest chain), so a final factor 1 + 2^-46 (= 128 u64) and one ulp up cover it. expm1
+    (torch, fp64) within EXP_EPS; e^d = 1 + expm1(d), e^-d = 1 - |expm1(-d)| are sums near 1
+    (no cancellation); tanh(cm/2) = y/(y + 2) with y = expm1(cm) (increasing in y). B = 1 - M/Z: one subtraction, moved one ulp down.
     """
     u, eps = UNIT[dtype]
     cap = CMAX32 if dtype == torch.float32 else SATURATE_C
@@ -235,23 +235,23 @@ def forms_from_pmz(sums, cmax, e, n, d_head, dtype):
     if dtype == torch.float32 and wild.any():
         return None
     alpha = n * 8 * TINY[dtype] * math.exp(cap)
-    with np.errstate(over="ignore", invalid="ignore"):  # saturated rows only: replaced below
-        em_d, om_d = np.abs(torch.expm1(torch.from_numpy(np.stack([d, -d]))).numpy())  # expm1(d), 1 - e^-d
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow to inf is an upper bound; NaN only in saturated rows, replaced below
+        em_d, om_d, em_c = np.abs(torch.expm1(torch.from_numpy(np.stack([d, -d, np.minimum(cm, SATURATE_C)]))).numpy())
         z_up = z * (1 + margin + 2 * alpha)
         z_dn = z * (1 - margin - 2 * alpha)
         p_eff = (1 + em_d * (1 + EXP_EPS)) * (p * (1 + margin) + alpha) + em_d * (1 + EXP_EPS) * z_up
         m_eff = (1 - om_d * (1 - EXP_EPS)) * (m * (1 + margin) + alpha) + om_d * (1 + EXP_EPS) * z_up
         pz = p_eff / z_dn  # A - 1
-        tanh = torch.tanh(torch.from_numpy(cm * 0.5)).numpy() * (1 + EXP_EPS)  # cm * 0.5 exact: cm >= 2^-149 is normal
+        em_c = em_c * (1 + EXP_EPS)  # >= expm1(min(cm, 600)); tanh(cm/2) = y/(y + 2) at y = expm1(cm), increasing in y
+        tanh = em_c / (em_c + 2)  # for cm > 600: y/(y + 2) rounds to 1, and tanh <= 1
         rows = np.stack([1 + pz, m_eff / z_dn, tanh, (p_eff + m_eff) / (z_dn + p_eff), pz * (1 + 0.5 * pz)])
         a, mz, tanh, one_minus, e_form = _up(rows * (1 + 2.0 ** -46))
-    neg_b = np.minimum(_up(mz - 1), 0.0)  # -B rounded up; B >= 0
-    tanh, one_minus = np.minimum(tanh, 1.0), np.minimum(one_minus, 1.0)  # both <= 1 exactly
-    if wild.any():  # saturated rows: A' = inf, B' = 0
-        a, neg_b, one_minus, e_form = (np.where(wild, v, x) for v, x in ((np.inf, a), (0.0, neg_b), (1.0, one_minus), (np.inf, e_form)))
-    lowest = np.clip(np.minimum(np.minimum(tanh, one_minus), e_form), 0.0, 1.0)  # TV lies in [0, 1]
-    out = np.stack([a, neg_b, cm, tanh, one_minus, e_form, lowest])
-    with np.errstate(over="ignore"):
+        neg_b = np.minimum(_up(mz - 1), 0.0)  # -B rounded up; B >= 0
+        tanh, one_minus = np.minimum(tanh, 1.0), np.minimum(one_minus, 1.0)  # both <= 1 exactly
+        if wild.any():  # saturated rows: A' = inf, B' = 0
+            a, neg_b, one_minus, e_form = (np.where(wild, v, x) for v, x in ((np.inf, a), (0.0, neg_b), (1.0, one_minus), (np.inf, e_form)))
+        lowest = np.clip(np.minimum(np.minimum(tanh, one_minus), e_form), 0.0, 1.0)  # TV lies in [0, 1]
+        out = np.stack([a, neg_b, cm, tanh, one_minus, e_form, lowest])
         out32 = out.astype(np.float32)
     out32 = np.where(out32 < out, np.nextafter(out32, np.float32(np.inf)), out32)  # rounded up to fp32
     out32[1] = -out32[1]  # B rounded down
