@@ -1,0 +1,459 @@
+"""CertifiedCache: a transformers 5.24 Cache that stores a compressed KV cache and carries the
+band witness (math.md T4) of every key, so that each decode read can be certified.
+
+Storage of one layer, token axis 2, in storage order (= position order until `keep_tokens`):
+
+    [ quantized: kq, vq (packed, nbytes), witness codes ][ tail: exact, newest tokens ]
+    + exact overlay (sinks, and tail tokens moved by keep_tokens): c = 0 there
+    + offload store (gate != none): exact fp copy, or the residual k - k_hat in int8 with its own witness
+    + shadow copy (shadow mode only: measurement, never counted)
+
+Each token is quantized exactly once, when it leaves the tail (append-only). The tail keeps
+the `window` newest tokens exact (and, for kivi2, the tokens of an unfinished 32-token block).
+The attention function in fast/meter.py reads `served()` and `witness_view()` at every
+decode step.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from fast.quant import dequantize, quantize
+from fast.meter import set_current
+from fast.rope import rope_bands
+from fast.schemes import CodecStored, Grow, get_scheme
+from fast.witness import pack_witness, unpack_witness, witness, witness_from_step
+
+NB = 8  # RoPE bands per head (fast.rope_bands(D, NB, "rotate_half"))
+
+
+@dataclass(frozen=True)
+class Gate:
+    """none | certified:TAU | risk:K (issue 4, Gating)."""
+    kind: str = "none"
+    tau: float = 1.0
+    k: int = 0
+
+    def __str__(self):
+        return {"none": "none", "certified": f"certified:{self.tau:g}", "risk": f"risk:{self.k}"}[self.kind]
+
+
+def parse_gate(spec):
+    """'none', 'certified:0.2' or 'risk:4' -> Gate; anything else -> ValueError (one line)."""
+    if isinstance(spec, Gate):
+        return spec
+    spec = (spec or "none").strip()
+    if spec == "none":
+        return Gate()
+    kind, sep, arg = spec.partition(":")
+    if kind == "certified" and sep:
+        try:
+            tau = float(arg)
+        except ValueError:
+            raise ValueError(f"gate {spec!r}: TAU must be a number in [0, 1], got {arg!r}") from None
+        if not 0.0 <= tau <= 1.0:
+            raise ValueError(f"gate {spec!r}: TAU must be in [0, 1], got {tau}")
+        return Gate("certified", tau=tau)
+    if kind == "risk" and sep:
+        if not arg.isdigit():
+            raise ValueError(f"gate {spec!r}: K must be a non-negative integer, got {arg!r}")
+        return Gate("risk", k=int(arg))
+    raise ValueError(f"unknown gate {spec!r}: use none, certified:TAU or risk:K")
+
+
+def _take(t, index):
+    """t [B, Hkv, N, ...] gathered along the token axis with index [B, Hkv, K]."""
+    idx = index.reshape(*index.shape, *([1] * (t.dim() - 3))).expand(*index.shape, *t.shape[3:])
+    return torch.gather(t, 2, idx)
+
+
+class CertifiedLayer(CacheLayerMixin):
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, cache, layer_idx):
+        super().__init__()
+        self.cache = cache
+        self.layer_idx = layer_idx
+        self.seen = 0          # positions written so far (RoPE position of the next token)
+        self.nq = 0            # tokens in the quantized part
+        self.kq = self.vq = None
+        self.rho_codes = None  # [B, Hkv, nq, NB] uint8 (stored witness), None when derived from the scales
+        self.k_tail = self.v_tail = None  # [B, Hkv, R, D] exact
+        self.ex_idx = None     # [B, Hkv, E] storage index of exact-overlay tokens
+        self.ex_on = None      # [B, Hkv, E] bool (False = padding entry, a no-op)
+        self.ex_k = self.ex_v = None
+        self.valid = None      # [B, Hkv, N] bool: False = padding token
+        self.exact_k = self.exact_v = None  # full exact copy (shadow and/or full offload)
+        self.res_k = self.res_v = None      # residual offload tier (Stored) and its witness
+        self.res_rho = None
+        self.repaired = None   # [Hkv] bool
+        self.risk = None       # [Hkv] risk score from the last prefill query (risk gate)
+        self.steps = 0         # decode reads certified so far
+        self.served_k = self.served_v = None
+        self.traffic = 0       # repair traffic bytes (offload -> device)
+        self._grow = {}        # preallocated growth for the append-only tensors below
+
+    def _append(self, name, x):
+        """self.<name> = cat(self.<name>, x) along the token axis, amortised O(len(x))."""
+        if name not in self._grow:
+            cur = getattr(self, name)
+            self._grow[name] = Grow(cur if cur is not None else x[:, :, :0])
+        setattr(self, name, self._grow[name].append(x).t)
+
+    def _set(self, name, t):
+        """Replace self.<name> (after a gather)."""
+        self._grow[name] = Grow(t)
+        setattr(self, name, self._grow[name].t)
+
+    @property
+    def derived(self):
+        """Zero-memory witness from the scales: uniform codecs served in fp32 (no rounding on the way out)."""
+        return self.cache.scheme.derived_witness and self.cache.derived and self.dtype == torch.float32
+
+    # ---- transformers CacheLayerMixin ----
+    def lazy_initialization(self, key_states, value_states):
+        B, Hkv, _, D = key_states.shape
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.B, self.Hkv, self.D = B, Hkv, D
+        empty = key_states[:, :, :0]
+        self.k_tail, self.v_tail = empty.clone(), value_states[:, :, :0].clone()
+        self.valid = torch.ones(B, Hkv, 0, dtype=torch.bool, device=self.device)
+        self.ex_idx = torch.zeros(B, Hkv, 0, dtype=torch.long, device=self.device)
+        self.ex_on = torch.zeros(B, Hkv, 0, dtype=torch.bool, device=self.device)
+        self.ex_k, self.ex_v = empty.clone(), value_states[:, :, :0].clone()
+        self.repaired = torch.zeros(Hkv, dtype=torch.bool)
+        if self.cache.keep_exact:
+            self.exact_k, self.exact_v = empty.clone(), value_states[:, :, :0].clone()
+        self.keys = self.k_tail  # for code that inspects .keys
+        self.is_initialized = True
+
+    def get_seq_length(self):
+        return self.seen
+
+    def get_mask_sizes(self, query_length):
+        return self.n + query_length, 0
+
+    def get_max_length(self):
+        return -1
+
+    @property
+    def n(self):
+        return 0 if not self.is_initialized else self.nq + self.k_tail.shape[2]
+
+    def reorder_cache(self, beam_idx):
+        raise NotImplementedError("CertifiedCache does not support beam search")
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        # key_states, value_states: [B, Hkv, n_new, D] (post-RoPE keys)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        first = self.n == 0
+        start = self.n
+        n_new = key_states.shape[2]
+        self.seen += n_new
+        self.k_tail = torch.cat([self.k_tail, key_states], dim=2)
+        self.v_tail = torch.cat([self.v_tail, value_states], dim=2)
+        ones = torch.ones(self.B, self.Hkv, n_new, dtype=torch.bool, device=self.device)
+        self._append("valid", ones)
+        if self.exact_k is not None:
+            self._append("exact_k", key_states)
+            self._append("exact_v", value_states)
+        self._add_sinks(key_states, value_states, start)
+        self._flush()
+        if first:
+            # prefill reads the fresh exact states (as every quantized cache does); decode reads the cache
+            self.served_k, self.served_v = key_states, value_states
+        else:
+            self.served_k, self.served_v = self.served()
+        return self.served_k, self.served_v
+
+    # ---- writing ----
+    def _add_sinks(self, key_states, value_states, start):
+        """New tokens at positions < `sinks` join the exact overlay (attention sinks, c = 0)."""
+        S = min(self.cache.sinks, start + key_states.shape[2])
+        if S <= start or self.cache.evicted:
+            return
+        m = S - start
+        idx = torch.arange(start, S, device=self.device).expand(self.B, self.Hkv, m)
+        self.ex_idx = torch.cat([self.ex_idx, idx], dim=2)
+        self.ex_on = torch.cat([self.ex_on, torch.ones_like(idx, dtype=torch.bool)], dim=2)
+        self.ex_k = torch.cat([self.ex_k, key_states[:, :, :m]], dim=2)
+        self.ex_v = torch.cat([self.ex_v, value_states[:, :, :m]], dim=2)
+
+    def _flush(self, everything=False):
+        """Quantize the tail tokens that left the exact window (each token exactly once)."""
+        scheme = self.cache.scheme
+        R = self.k_tail.shape[2]
+        m = R if everything else max(R - self.cache.window, 0)
+        m -= m % scheme.block_k
+        if m <= 0:
+            return
+        k, v = self.k_tail[:, :, :m], self.v_tail[:, :, :m]
+        self.k_tail, self.v_tail = self.k_tail[:, :, m:], self.v_tail[:, :, m:]
+        seed, L = self.cache.seed, self.layer_idx
+        kq = scheme.encode_k(k, L, self.nq, seed)
+        vq = scheme.encode_v(v, L, self.nq, seed)
+        k_hat = kq.decode().to(self.dtype)  # exactly what served() will return
+        bands = self.cache.bands
+        if not self.derived:
+            rho = witness(k.float(), k_hat.float(), bands)
+            codes = pack_witness(rho)
+            self._append("rho_codes", codes)
+        if self.cache.offload == "residual":
+            rk = quantize((k.float() - k_hat.float()).contiguous(), "int8", layer=L, token_start=self.nq)
+            rv = quantize((v.float() - vq.decode()).contiguous(), "int8", layer=L, token_start=self.nq)
+            # witness of what remains after a repair: k - (k_hat + r_hat), as served()
+            repaired_k = k_hat + dequantize(rk).to(self.dtype)
+            rcodes = pack_witness(witness(k.float(), repaired_k.float(), bands))
+            rk, rv = CodecStored(rk), CodecStored(rv)
+            self.res_k = rk if self.res_k is None else self.res_k.cat(rk)
+            self.res_v = rv if self.res_v is None else self.res_v.cat(rv)
+            self._append("res_rho", rcodes)
+            per_head = (rk.nbytes + rv.nbytes + rcodes.nbytes) / self.Hkv
+        else:
+            per_head = 2 * k.nbytes / self.Hkv
+        self.traffic += int(per_head * int(self.repaired.sum()))  # new tokens of repaired heads move too
+        self.kq = kq if self.kq is None else self.kq.cat(kq)
+        self.vq = vq if self.vq is None else self.vq.cat(vq)
+        self.nq += m
+
+    # ---- reading ----
+    def served(self):
+        """(k, v) [B, Hkv, N, D] as the attention reads them: decoded codes (+ residual on repaired
+        heads), exact tail, exact overlay, or the exact copy on repaired heads."""
+        rep = self.repaired.nonzero().flatten().tolist()
+        if not self.nq:
+            k, v = self.k_tail.clone(), self.v_tail.clone()  # written below: never alias the stored tail
+        else:
+            kd, vd = self.kq.decode().to(self.dtype), self.vq.decode().to(self.dtype)
+            if rep and self.cache.offload == "residual":
+                kd[:, rep] += self.res_k.decode()[:, rep].to(self.dtype)
+                vd[:, rep] += self.res_v.decode()[:, rep].to(self.dtype)
+            k, v = torch.cat([kd, self.k_tail], dim=2), torch.cat([vd, self.v_tail], dim=2)
+        if self.ex_idx.shape[2]:
+            idx = self.ex_idx[..., None].expand(*self.ex_idx.shape, self.D)
+            on = self.ex_on[..., None]
+            k.scatter_(2, idx, torch.where(on, self.ex_k, k.gather(2, idx)))
+            v.scatter_(2, idx, torch.where(on, self.ex_v, v.gather(2, idx)))
+        if rep and self.cache.offload == "full":
+            k[:, rep], v[:, rep] = self.exact_k[:, rep], self.exact_v[:, rep]
+        return k, v
+
+    def exact_mask(self):
+        """[B, Hkv, N] bool: True where the served key is exact (c = 0)."""
+        ex = torch.zeros(self.B, self.Hkv, self.n, dtype=torch.bool, device=self.device)
+        ex[:, :, self.nq:] = True
+        if self.ex_idx.shape[2]:
+            ex.scatter_(2, self.ex_idx, self.ex_on | ex.gather(2, self.ex_idx))
+        if self.cache.offload != "residual" and bool(self.repaired.any()):
+            ex[:, self.repaired] = True
+        return ex
+
+    def witness_view(self):
+        """(rho [B, Hkv, N, NB] fp32 upper bounds of the band norms of k - k_served, exact [B, Hkv, N])."""
+        rho, exact = self.witness_codes()
+        if rho.dtype == torch.uint8:
+            rho = unpack_witness(rho)
+        return rho.masked_fill(exact[..., None], 0.0), exact
+
+    def witness_codes(self):
+        """Like witness_view, but the stored witness stays in its uint8 log codes (0 = exactly 0)
+        for decode_attention to unpack; rho is not zeroed at exact tokens (`exact` does that)."""
+        nb = self.cache.bands.shape[0]
+        R = self.n - self.nq
+        if self.derived:
+            rho = torch.zeros(self.B, self.Hkv, self.n, nb, device=self.device)
+            if self.nq:
+                rho[:, :, :self.nq] = witness_from_step(self.kq.step(), self.cache.bands)
+        else:
+            tail = torch.zeros(self.B, self.Hkv, R, nb, dtype=torch.uint8, device=self.device)
+            rho = tail if self.rho_codes is None else torch.cat([self.rho_codes, tail], dim=2)
+        rep = self.repaired.nonzero().flatten().tolist()
+        if rep and self.nq and self.cache.offload == "residual":
+            if rho.dtype == torch.uint8:
+                rho[:, rep, :self.nq] = self.res_rho[:, rep]
+            else:
+                rho[:, rep, :self.nq] = unpack_witness(self.res_rho[:, rep])
+        return rho, self.exact_mask()
+
+    def step_view(self):
+        """delta [B, Hkv, N, D]: the dither step of each served element (0 where exact): int8_dither only."""
+        delta = torch.zeros(self.B, self.Hkv, self.n, self.D, device=self.device)
+        if self.nq:
+            delta[:, :, :self.nq] = self.kq.step()
+        return delta.masked_fill(self.exact_mask()[..., None], 0.0)
+
+    # ---- gating ----
+    def head_bytes(self, h):
+        """Offload bytes of KV head h: what a repair moves to the device."""
+        if self.cache.offload == "residual":
+            return (self.res_k.nbytes + self.res_v.nbytes + self.res_rho.nbytes) // self.Hkv if self.nq else 0
+        return (self.exact_k[:, h, :self.nq].nbytes + self.exact_v[:, h, :self.nq].nbytes)
+
+    def repair(self, heads):
+        """Serve KV heads `heads` from the offload tier from now on."""
+        for h in heads:
+            if not self.repaired[h]:
+                self.repaired[h] = True
+                self.traffic += self.head_bytes(h)
+        self.served_k, self.served_v = self.served()
+
+    # ---- eviction hook ----
+    def keep_tokens(self, index):
+        """Keep only the tokens at storage positions `index` [B, Hkv, K] (per KV head) and free
+        the rest: codes, scales, witness, exact overlay, validity, offload and shadow copies."""
+        if index.dim() != 3 or index.shape[:2] != (self.B, self.Hkv):
+            raise ValueError(f"index: expected [B={self.B}, Hkv={self.Hkv}, K], got {tuple(index.shape)}")
+        index = index.to(self.device, torch.long)
+        if bool((index < 0).any()) or bool((index >= self.n).any()):
+            raise ValueError(f"index: positions must lie in [0, {self.n})")
+        index, _ = index.sort(dim=2)
+        if self.k_tail.shape[2]:
+            # tail tokens are exact: move them into the overlay, then quantize them (once) with the rest
+            R = self.k_tail.shape[2]
+            idx = torch.arange(self.nq, self.nq + R, device=self.device).expand(self.B, self.Hkv, R)
+            self.ex_idx = torch.cat([self.ex_idx, idx], dim=2)
+            self.ex_on = torch.cat([self.ex_on, torch.ones_like(idx, dtype=torch.bool)], dim=2)
+            self.ex_k = torch.cat([self.ex_k, self.k_tail], dim=2)
+            self.ex_v = torch.cat([self.ex_v, self.v_tail], dim=2)
+            self._flush(everything=True)
+            if self.k_tail.shape[2]:
+                raise ValueError(f"scheme {self.cache.scheme.name}: quantizes in blocks; eviction needs a per-token scheme")
+        self.kq, self.vq = self.kq.take(index), self.vq.take(index)
+        if self.rho_codes is not None:
+            self._set("rho_codes", _take(self.rho_codes, index))
+        if self.res_k is not None:
+            self.res_k, self.res_v = self.res_k.take(index), self.res_v.take(index)
+            self._set("res_rho", _take(self.res_rho, index))
+        if self.exact_k is not None:
+            self._set("exact_k", _take(self.exact_k, index))
+            self._set("exact_v", _take(self.exact_v, index))
+        self._set("valid", _take(self.valid, index))
+        self._remap_overlay(index)
+        self.nq = index.shape[2]
+        self.cache.evicted = True
+
+    def _remap_overlay(self, index):
+        """Exact-overlay entries follow their tokens to the new storage positions; dropped ones go.
+        Heads keep different counts: padding entries duplicate the head's first kept entry (same
+        index, same value), or, in a head with none, point at token 0 switched off (a no-op)."""
+        if self.ex_idx.shape[2] == 0:
+            return
+        hit = (self.ex_idx[..., :, None] == index[..., None, :]) & self.ex_on[..., None]  # [B, Hkv, E, K]
+        kept = hit.any(dim=3)
+        new_pos = hit.to(torch.uint8).argmax(dim=3)
+        E2 = max(int(kept.sum(dim=2).max()), 1)
+        order = torch.argsort((~kept).to(torch.int8), dim=2, stable=True)[..., :E2]  # kept entries first
+        on, pos = kept.gather(2, order), new_pos.gather(2, order)
+        order4 = order[..., None].expand(-1, -1, -1, self.D)
+        ek, ev = self.ex_k.gather(2, order4), self.ex_v.gather(2, order4)
+        has = on[..., :1]
+        self.ex_idx = torch.where(on, pos, torch.where(has, pos[..., :1], torch.zeros_like(pos)))
+        self.ex_k = torch.where(on[..., None], ek, ek[:, :, :1])
+        self.ex_v = torch.where(on[..., None], ev, ev[:, :, :1])
+        self.ex_on = on | has
+
+    # ---- accounting ----
+    def device_bytes(self):
+        n = 0
+        for s in (self.kq, self.vq):
+            n += s.nbytes if s is not None else 0
+        for t in (self.rho_codes, self.k_tail, self.v_tail, self.ex_k, self.ex_v):
+            n += t.nbytes if t is not None else 0
+        n += sum(self.head_bytes(h) for h in range(self.Hkv) if self.repaired[h])
+        return n
+
+    def offload_bytes(self):
+        if self.cache.gate.kind == "none":
+            return 0
+        if self.cache.offload == "residual":
+            return sum(t.nbytes for t in (self.res_k, self.res_v, self.res_rho) if t is not None)
+        return self.exact_k[:, :, :self.nq].nbytes + self.exact_v[:, :, :self.nq].nbytes
+
+
+class CertifiedCache(Cache):
+    """A certified, compressed KV cache for model.generate / model(...) with attn_implementation="kvcert".
+
+    scheme: a registered scheme name (fast.schemes); gate: none | certified:TAU | risk:K;
+    sinks / window: exact first / newest tokens; shadow: keep the exact cache and measure true TV;
+    seed, delta_req: the dither tier (int8_dither); offload: "full" (exact copy) or "residual";
+    certify=False serves the compressed cache without certificates (the meter-overhead baseline);
+    derived: use the zero-memory witness from the scales when the scheme allows it (else 1 byte
+    per band and token, tighter and cheaper to read).
+    """
+
+    def __init__(self, config, scheme="int8", *, gate="none", sinks=4, window=32, shadow=False,
+                 seed=0, delta_req=1e-3, offload="full", derived=False, nbands=NB, certify=True):
+        self.scheme = get_scheme(scheme)
+        self.gate = parse_gate(gate)
+        if offload not in ("full", "residual"):
+            raise ValueError(f"offload must be 'full' or 'residual', got {offload!r}")
+        if not 0.0 < delta_req < 1.0:
+            raise ValueError(f"delta_req must lie in (0, 1), got {delta_req}")
+        if sinks < 0 or window < 0:
+            raise ValueError("sinks and window must be >= 0")
+        self.sinks, self.window, self.shadow = int(sinks), int(window), bool(shadow)
+        self.certify = bool(certify)  # False: serve the compressed cache without certificates (speed baseline)
+        self.seed, self.delta_req, self.offload, self.derived = int(seed), float(delta_req), offload, bool(derived)
+        self.keep_exact = self.shadow or (self.gate.kind != "none" and offload == "full")
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.bands = rope_bands(self.head_dim, nbands, "rotate_half")
+        if self.gate.kind == "risk" and self.gate.k > self.num_layers * config.num_key_value_heads:
+            raise ValueError(f"gate risk:{self.gate.k}: K exceeds the {self.num_layers * config.num_key_value_heads} (layer, KV head) slots")
+        self.evicted = False
+        self.records = []      # one dict per (decode step, layer), filled by fast.meter
+        self.risk_done = False
+        self.on_layer = None   # optional callback(phase, layer_idx) after each attention call (progress bars)
+        layers = [CertifiedLayer(self, i) for i in range(self.num_layers)]
+        super().__init__(layers=layers)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if layer_idx == 0 and self.gate.kind == "risk" and not self.risk_done and self.layers[0].n:
+            self.apply_risk()
+        keys, values = self.layers[layer_idx].update(key_states, value_states)
+        set_current(self.layers[layer_idx])
+        return keys, values
+
+    def apply_risk(self):
+        """risk:K: the K (layer, KV head) slots with the highest prefill risk are served exact."""
+        self.risk_done = True
+        if self.gate.k and any(layer.risk is None for layer in self.layers):
+            raise ValueError("gate risk:K ranks slots during the prefill: run the prefill through the kvcert meter "
+                             "(fast.meter.enable(model)), not from a shared or foreign prefill")
+        # rank by the bound, then by max c (which still orders slots whose bound saturates at 1)
+        scores = [(tuple(r), l, h) for l, layer in enumerate(self.layers) if layer.risk is not None
+                  for h, r in enumerate(layer.risk.tolist())]
+        for _, l, h in sorted(scores, reverse=True)[: self.gate.k]:
+            self.layers[l].repair([h])
+
+    def fill_from(self, exact_cache, valid=None):
+        """Load the keys and values of an exact prefill (a DynamicCache) as if the prefill had run
+        on this cache (it reads exact keys either way): one prefill shared by several schemes.
+        valid: bool [B, N] (False = left padding)."""
+        for l, src in enumerate(exact_cache.layers):
+            layer = self.layers[l]
+            layer.update(src.keys, src.values)
+            if valid is not None:
+                layer.valid &= valid.to(layer.device)[:, None, :]
+        return self
+
+    def keep_tokens(self, layer_idx, index):
+        self.layers[layer_idx].keep_tokens(index)
+
+    def memory(self):
+        """Bytes: device tier, offload tier, repair traffic, and an fp16 cache of the same tokens."""
+        dev = sum(layer.device_bytes() for layer in self.layers if layer.is_initialized)
+        off = sum(layer.offload_bytes() for layer in self.layers if layer.is_initialized)
+        traffic = sum(layer.traffic for layer in self.layers if layer.is_initialized)
+        fp16 = sum(2 * 2 * layer.B * layer.Hkv * layer.n * layer.D for layer in self.layers if layer.is_initialized)
+        tokens = max(max((layer.n for layer in self.layers if layer.is_initialized), default=0), 1)
+        B = self.layers[0].B if self.layers[0].is_initialized else 1
+        return {"device_bytes": dev, "offload_bytes": off, "repair_traffic_bytes": traffic,
+                "fp16_bytes": fp16, "tokens": tokens, "batch": B,
+                "device_bytes_per_token": dev / (tokens * B), "fp16_bytes_per_token": fp16 / (tokens * B),
+                "offload_bytes_per_token": off / (tokens * B)}

@@ -1,0 +1,312 @@
+"""Compression schemes for the certified cache: "any scheme as one tensor function".
+
+    register_scheme("mine", fn)        # fn(x) -> x_hat, a quantize-dequantize round trip
+    get_scheme("int8")                 # a Scheme; .roundtrip(x) is its fn
+
+A scheme turns a block of keys or values x: [B, Hkv, n, D] into a `Stored` payload (real
+bytes: .nbytes) that decodes back to x_hat. The certificate never trusts the scheme: the
+cache measures k - k_hat at write time (band witness, math.md T4), so a registered function
+is a black box. Built-ins: the fast-path codecs (int8, int8_dither, int4, fp8_e4m3,
+fp8_e5m2) and KIVI-style 2-bit (keys per channel over blocks of 32 tokens, values per token
+in groups of 32 channels).
+"""
+
+import copy
+from dataclasses import dataclass, field, replace
+
+import torch
+
+CODECS = ("int8", "int8_dither", "int4", "fp8_e4m3", "fp8_e5m2")
+UNIFORM = ("int8", "int8_dither", "int4")  # |x - x_hat| <= step/2 elementwise: zero-memory witness
+KIVI_GROUP = 32
+
+
+class SchemeError(ValueError):
+    """A scheme misbehaved (shape change, NaN, non-determinism) or does not exist."""
+
+
+# ---- stored payloads: real bytes, token axis = 2 ----
+
+class Grow:
+    """An append-only tensor along dim 2 with amortised O(1) appends (capacity doubles);
+    .t is the filled part (a view: the bytes counted are those of .t)."""
+
+    def __init__(self, t):
+        self.buf, self.n = t.contiguous(), t.shape[2]
+
+    @property
+    def t(self):
+        return self.buf[:, :, :self.n]
+
+    def append(self, x):
+        m = x.shape[2]
+        if self.n + m > self.buf.shape[2]:
+            cap = max(2 * self.buf.shape[2], self.n + m, 64)
+            new = self.buf.new_empty(*self.buf.shape[:2], cap, *self.buf.shape[3:])
+            new[:, :, :self.n] = self.buf[:, :, :self.n]
+            self.buf = new
+        self.buf[:, :, self.n:self.n + m] = x
+        self.n += m
+        return self
+
+
+class Store:
+    """Named tensors sharing a token (or token-block) axis at dim 2, appended in place."""
+
+    def __init__(self, **fields):
+        self.f = {k: Grow(v) for k, v in fields.items() if v is not None}
+
+    def get(self, name):
+        return self.f[name].t if name in self.f else None
+
+    @property
+    def nbytes(self):
+        return sum(g.t.nbytes for g in self.f.values())
+
+    def cat(self, other):
+        for k, g in self.f.items():
+            g.append(other.f[k].t)
+        return self
+
+    def _taken(self, index):
+        new = copy.copy(self)
+        new.f = {k: Grow(_take(g.t, index)) for k, g in self.f.items()}
+        return new
+
+def _take(t, index):
+    """Gather t [B, Hkv, N, ...] along the token axis with index [B, Hkv, K] -> [B, Hkv, K, ...]."""
+    idx = index.reshape(*index.shape, *([1] * (t.dim() - 3))).expand(*index.shape, *t.shape[3:])
+    return torch.gather(t, 2, idx)
+
+
+class Fp16Stored(Store):
+    """A black-box scheme's output, stored in fp16 (the witness is measured against this)."""
+
+    def __init__(self, x):
+        super().__init__(x=x)  # x: [B, Hkv, N, D] fp16
+
+    def decode(self):
+        return self.get("x").float()
+
+    def take(self, index):
+        return self._taken(index)
+
+    def step(self):
+        return None
+
+
+def _pack2(codes):
+    """uint8 codes in [0, 3], last dim D -> [.., D // 4] bytes, 4 codes a byte."""
+    c = codes.reshape(*codes.shape[:-1], -1, 4)
+    return c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)
+
+
+def _unpack2(packed):
+    parts = [(packed >> s) & 3 for s in (0, 2, 4, 6)]
+    return torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], -1)
+
+
+def _asym2(x, dim):
+    """2-bit asymmetric min/max quantization of x (fp32) reducing over `dim` -> (codes, scale16, zero16)."""
+    lo = x.amin(dim=dim, keepdim=True)
+    hi = x.amax(dim=dim, keepdim=True)
+    scale = ((hi - lo) / 3).to(torch.float16)
+    zero = lo.to(torch.float16)
+    s = torch.where(scale.float() > 0, scale.float(), torch.ones_like(lo))
+    codes = torch.round((x - zero.float()) / s).clamp_(0, 3).to(torch.uint8)
+    return codes, scale, zero
+
+
+class KiviKeys(Store):
+    """Keys quantized per channel over blocks of G tokens: codes [B, Hkv, N, D/4] uint8,
+    scale/zero [B, Hkv, N/G, D] fp16."""
+
+    @staticmethod
+    def encode(x):
+        B, Hkv, n, D = x.shape
+        if n % KIVI_GROUP:
+            raise SchemeError(f"kivi2 keys are quantized in blocks of {KIVI_GROUP} tokens, got {n}")
+        xb = x.float().reshape(B, Hkv, n // KIVI_GROUP, KIVI_GROUP, D)
+        codes, scale, zero = _asym2(xb, dim=3)  # scale/zero: [B, Hkv, N/G, 1, D]
+        return KiviKeys(codes=_pack2(codes.reshape(B, Hkv, n, D)), scale=scale.squeeze(3), zero=zero.squeeze(3))
+
+    def decode(self):
+        codes, scale, zero = self.get("codes"), self.get("scale"), self.get("zero")
+        B, Hkv, n, _ = codes.shape
+        c = _unpack2(codes).float().reshape(B, Hkv, n // KIVI_GROUP, KIVI_GROUP, -1)
+        x = c * scale.float()[:, :, :, None] + zero.float()[:, :, :, None]
+        return x.reshape(B, Hkv, n, -1)
+
+    def take(self, index):
+        raise SchemeError("kivi2 keys share a scale across blocks of 32 tokens: per-token eviction is not supported")
+
+    def step(self):
+        return None
+
+
+class KiviValues(Store):
+    """Values quantized per token in groups of G channels: codes [B, Hkv, N, D/4] uint8,
+    scale/zero [B, Hkv, N, D/G] fp16."""
+
+    @staticmethod
+    def encode(x):
+        B, Hkv, n, D = x.shape
+        g = min(KIVI_GROUP, D)
+        codes, scale, zero = _asym2(x.float().reshape(B, Hkv, n, D // g, g), dim=4)
+        return KiviValues(codes=_pack2(codes.reshape(B, Hkv, n, D)), scale=scale[..., 0], zero=zero[..., 0])
+
+    def decode(self):
+        codes, scale, zero = self.get("codes"), self.get("scale"), self.get("zero")
+        B, Hkv, n, _ = codes.shape
+        G = scale.shape[-1]
+        c = _unpack2(codes).float().reshape(B, Hkv, n, G, -1)
+        return (c * scale.float()[..., None] + zero.float()[..., None]).reshape(B, Hkv, n, -1)
+
+    def take(self, index):
+        return self._taken(index)
+
+    def step(self):
+        return None
+
+
+class CodecStored(Store):
+    """A fast.quant QTensor (packed codes + scales), grown in place."""
+
+    def __init__(self, qt):
+        super().__init__(codes=qt.codes, scales=qt.scales)
+        self.template = replace(qt, codes=qt.codes[:, :, :0], scales=None)
+
+    @property
+    def qt(self):
+        return replace(self.template, codes=self.get("codes"), scales=self.get("scales"))
+
+    def decode(self):
+        from fast.quant import dequantize
+        return dequantize(self.qt)
+
+    def cat(self, other):
+        t = self.template
+        if other.template.token_start != t.token_start + self.f["codes"].n or other.template.scheme != t.scheme:
+            raise SchemeError("CodecStored.cat: scheme or token counters do not line up")
+        return super().cat(other)
+
+    def take(self, index):
+        """Gather tokens per KV head (codes and scales carry the token axis at dim 2)."""
+        if self.template.scheme == "int8_dither":
+            raise SchemeError("int8_dither: the dither counters follow contiguous tokens; eviction needs another scheme")
+        return self._taken(index)
+
+    def step(self):
+        return self.qt.step() if self.template.scheme in UNIFORM else None
+
+
+# ---- schemes ----
+
+@dataclass
+class Scheme:
+    """How one cache layer stores keys and values.
+
+    block_k: keys are encoded in blocks of this many tokens (1 = per token; kivi2: 32);
+    derived_witness: the stored payload has a uniform step with |error| <= step/2;
+    dither: the probabilistic tier (math.md T6) applies.
+    """
+    name: str
+    encode_k: object  # (x [B,Hkv,n,D], layer, token_start, seed) -> Stored
+    encode_v: object
+    block_k: int = 1
+    derived_witness: bool = False
+    dither: bool = False
+    deterministic: bool = True
+    fn: object = None  # the user's round trip, for black-box schemes
+    checked: dict = field(default_factory=dict)
+
+    def roundtrip(self, x, layer=0, token_start=0, seed=0):
+        """x_hat = decode(encode(x)) for keys: the scheme as one tensor function."""
+        return self.encode_k(x, layer, token_start, seed).decode()
+
+
+def _codec_scheme(name):
+    def encode(x, layer, token_start, seed):
+        from fast.quant import quantize
+        qt = quantize(x, name, seed=seed, layer=layer, token_start=token_start)
+        if qt.token_start != token_start:  # fp8 QTensors do not record the counters; cat checks them
+            qt = replace(qt, token_start=token_start)
+        return CodecStored(qt)
+    return Scheme(name, encode, encode, derived_witness=name in UNIFORM, dither=name == "int8_dither")
+
+
+def _kivi_scheme():
+    return Scheme("kivi2", lambda x, *a: KiviKeys.encode(x), lambda x, *a: KiviValues.encode(x), block_k=KIVI_GROUP)
+
+
+def _check_output(name, x, x_hat):
+    if not isinstance(x_hat, torch.Tensor):
+        raise SchemeError(f"scheme {name!r}: returned {type(x_hat).__name__}, expected a tensor")
+    if x_hat.shape != x.shape:
+        raise SchemeError(f"scheme {name!r}: changed the shape {tuple(x.shape)} -> {tuple(x_hat.shape)}")
+    if not bool(torch.isfinite(x_hat).all()):
+        raise SchemeError(f"scheme {name!r}: returned NaN or Inf")
+    x16 = x_hat.to(torch.float16)
+    if not bool(torch.isfinite(x16).all()):
+        raise SchemeError(f"scheme {name!r}: output overflows fp16 storage")
+    return x16
+
+
+def _blackbox_scheme(name, fn, deterministic):
+    scheme = Scheme(name, None, None, deterministic=deterministic, fn=fn)
+
+    def encode(x, layer, token_start, seed):
+        x_hat = fn(x)
+        x16 = _check_output(name, x, x_hat)
+        if deterministic and not scheme.checked.get("determinism"):
+            again = _check_output(name, x, fn(x))
+            if not torch.equal(x16, again):
+                raise SchemeError(f"scheme {name!r}: claims to be deterministic but two calls on the same input differ")
+            scheme.checked["determinism"] = True
+        return Fp16Stored(x16)
+
+    scheme.encode_k = scheme.encode_v = encode
+    return scheme
+
+
+_REGISTRY = {}
+
+
+def register_scheme(name, fn, *, deterministic=True):
+    """Register fn(x) -> x_hat (x: [B, Hkv, n, D] float) under `name`.
+
+    Probed at once on a random tensor: a shape change, NaN/Inf, or (when deterministic) two
+    different answers on the same input raise SchemeError. Every later call is checked too.
+    """
+    if not isinstance(name, str) or not name:
+        raise SchemeError("scheme name must be a non-empty string")
+    if name in CODECS or name == "kivi2":
+        raise SchemeError(f"scheme {name!r} is built in")
+    if not callable(fn):
+        raise SchemeError(f"scheme {name!r}: fn is not callable")
+    scheme = _blackbox_scheme(name, fn, deterministic)
+    probe = torch.randn(1, 2, 8, 64, generator=torch.Generator().manual_seed(0))
+    scheme.encode_k(probe, 0, 0, 0)
+    scheme.checked.clear()  # check determinism again on the first real batch
+    _REGISTRY[name] = scheme
+    return scheme
+
+
+def unregister_scheme(name):
+    _REGISTRY.pop(name, None)
+
+
+def scheme_names():
+    return list(CODECS) + ["kivi2"] + sorted(_REGISTRY)
+
+
+def get_scheme(name):
+    if isinstance(name, Scheme):
+        return name
+    if name in CODECS:
+        return _codec_scheme(name)
+    if name == "kivi2":
+        return _kivi_scheme()
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    raise SchemeError(f"unknown scheme {name!r}: choose one of {', '.join(scheme_names())}")

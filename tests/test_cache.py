@@ -1,0 +1,220 @@
+"""CertifiedCache on a random tiny GQA Llama: storage, append-only writes, soundness in shadow
+mode, generate (greedy, sampling, left-padded batches), eviction hook, scheme registry."""
+
+import pytest
+import torch
+
+from fast.cache import CertifiedCache
+from fast.meter import enable
+from fast.schemes import CODECS, SchemeError, get_scheme, register_scheme, unregister_scheme
+from tests.tiny_model import tiny_ids, tiny_llama
+
+SCHEMES = CODECS + ("kivi2",)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return enable(tiny_llama())
+
+
+def gen(model, ids, cache=None, n=6, **kw):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=n, do_sample=False, cache=cache, pad_token_id=0, **kw)
+
+
+def stacked(cache, key):
+    return torch.stack([r[key] for r in cache.records])
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_shadow_bound_holds_every_check(model, scheme):
+    """Every form of every (step, layer, head) check is >= the true TV (no sinks, no window)."""
+    cache = CertifiedCache(model.config, scheme, sinks=0, window=0, shadow=True)
+    gen(model, tiny_ids(1, 70), cache, n=8)
+    true = stacked(cache, "true_tv")
+    assert true.shape == (7 * 2, 1, 4)
+    for form in ("min", "tanh", "one_minus_b_over_a", "e_form"):
+        bound = stacked(cache, form)
+        assert bool((true <= bound).all()), f"{scheme}/{form}: true TV {true.max()} above the bound"
+    assert float(true.max()) > 0  # the check is not vacuous: the cache is really compressed
+    if scheme == "int8_dither":
+        assert bool((true <= stacked(cache, "dither_min")).all())
+
+
+def test_int8_cache_matches_exact_generation(model):
+    ids = tiny_ids(1, 60)
+    ref = gen(model, ids, n=8)
+    out = gen(model, ids, CertifiedCache(model.config, "int8"), n=8)
+    assert out.tolist() == ref.tolist()
+
+
+def test_each_token_quantized_once(model):
+    """Append-only: the scheme sees every token that left the exact window exactly once."""
+    seen = []
+
+    def fn(x):
+        seen.append(x.shape[2])
+        return x.half().float()
+
+    register_scheme("count_tokens", fn, deterministic=False)  # one call per write
+    try:
+        seen.clear()
+        cache = CertifiedCache(model.config, "count_tokens", sinks=0, window=5)
+        gen(model, tiny_ids(1, 30), cache, n=6)
+        L = model.config.num_hidden_layers
+        n = cache.layers[0].n
+        assert n == 30 + 5
+        assert sum(seen) == 2 * L * (n - 5)  # keys and values, every layer, each token once
+    finally:
+        unregister_scheme("count_tokens")
+
+
+def test_packed_bytes_are_real(model):
+    """Codes are stored packed: int4 < int8 < fp16, measured with tensor.nbytes."""
+    ids = tiny_ids(1, 128)
+    mem = {}
+    for scheme in ("int8", "int4", "kivi2"):
+        cache = CertifiedCache(model.config, scheme, sinks=0, window=0)
+        gen(model, ids, cache, n=2)
+        mem[scheme] = cache.memory()
+    L, Hkv, D = 2, 2, 32
+    fp16 = mem["int8"]["fp16_bytes_per_token"]
+    assert fp16 == 2 * 2 * L * Hkv * D
+    # int8: D code bytes + D/32 fp16 scales (k and v) + NB witness bytes (k) per head and layer
+    assert mem["int8"]["device_bytes_per_token"] == pytest.approx(L * Hkv * (2 * (D + 2) + 8), rel=0.02)
+    assert mem["int4"]["device_bytes_per_token"] < mem["int8"]["device_bytes_per_token"] < fp16
+    assert mem["kivi2"]["device_bytes_per_token"] < mem["int4"]["device_bytes_per_token"]
+
+
+def test_left_padded_batch_matches_single_rows(model):
+    """Batch of two prompts with left padding: each row decodes as it does alone, and the
+    padding never enters a certificate (shadow mode: still sound)."""
+    a, b = tiny_ids(1, 50, seed=3), tiny_ids(1, 35, seed=4)
+    ids = torch.cat([a, torch.cat([torch.zeros(1, 15, dtype=torch.long), b], 1)])
+    mask = torch.cat([torch.ones(1, 50), torch.cat([torch.zeros(1, 15), torch.ones(1, 35)], 1)]).long()
+    cache = CertifiedCache(model.config, "int8", shadow=True, sinks=2, window=4)
+    out = gen(model, ids, cache, n=6, attention_mask=mask)
+    alone_a = gen(model, a, CertifiedCache(model.config, "int8", sinks=2, window=4), n=6)
+    alone_b = gen(model, b, CertifiedCache(model.config, "int8", sinks=2, window=4), n=6)
+    assert out[0, 50:].tolist() == alone_a[0, 50:].tolist()
+    assert out[1, 50:].tolist() == alone_b[0, 35:].tolist()
+    assert not bool(cache.layers[0].valid[1, :, :15].any())
+    assert bool((stacked(cache, "true_tv") <= stacked(cache, "min")).all())
+
+
+def test_sampling_generates_and_certifies(model):
+    torch.manual_seed(0)
+    cache = CertifiedCache(model.config, "fp8_e4m3", shadow=True)
+    with torch.no_grad():
+        out = model.generate(tiny_ids(1, 40), max_new_tokens=5, do_sample=True, temperature=1.0, cache=cache)
+    assert out.shape == (1, 45)
+    assert len(cache.records) == 4 * 2
+    assert bool((stacked(cache, "true_tv") <= stacked(cache, "min")).all())
+
+
+def test_sinks_and_window_are_exact(model):
+    """c = 0 on sinks and the exact window: with every token exact only the kernel's own fp32
+    logit rounding (math.md T8, a few 1e-5 here) is left in the bound."""
+    cache = CertifiedCache(model.config, "int4", sinks=4, window=1000)
+    gen(model, tiny_ids(1, 40), cache, n=4)
+    assert float(stacked(cache, "min").max()) < 1e-3
+    assert float(stacked(cache, "max_c").max()) < 1e-3
+    cache = CertifiedCache(model.config, "int4", sinks=4, window=8)
+    gen(model, tiny_ids(1, 40), cache, n=4)
+    layer = cache.layers[0]
+    _, exact = layer.witness_view()
+    assert bool(exact[..., :4].all()) and bool(exact[..., -8:].all()) and not bool(exact[..., 4:-8].any())
+
+
+def test_keep_tokens_shrinks_storage(model):
+    """The eviction hook gathers codes, witness and exact overlay per KV head; decoding goes on soundly."""
+    cache = CertifiedCache(model.config, "int8", sinks=2, window=4, shadow=True)
+    with torch.no_grad():
+        model(input_ids=tiny_ids(1, 48), cache=cache, use_cache=True)
+    before = cache.memory()["device_bytes"]
+    layer = cache.layers[0]
+    k_before, _ = layer.served()
+    _, ex_before = layer.witness_view()
+    g = torch.Generator().manual_seed(0)
+    index = torch.stack([torch.randperm(48, generator=g)[:20].sort().values for _ in range(2)])[None]  # [1, 2, 20]
+    for l in range(model.config.num_hidden_layers):
+        cache.keep_tokens(l, index)
+    k_after, _ = layer.served()
+    _, ex_after = layer.witness_view()
+    assert k_after.shape[2] == 20 and cache.memory()["device_bytes"] < before
+    torch.testing.assert_close(k_after, k_before.gather(2, index[..., None].expand(-1, -1, -1, 32)), rtol=0, atol=0)
+    assert torch.equal(ex_after, ex_before.gather(2, index))
+    with torch.no_grad():
+        tok = torch.tensor([[5]])
+        for _ in range(3):
+            tok = model(input_ids=tok, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    assert len(cache.records) == 3 * 2 and layer.n == 23
+    assert bool((stacked(cache, "true_tv") <= stacked(cache, "min")).all())
+
+
+def test_kivi2_roundtrip_and_blocks():
+    x = torch.randn(1, 2, 64, 32, generator=torch.Generator().manual_seed(0))
+    s = get_scheme("kivi2")
+    kq = s.encode_k(x, 0, 0, 0)
+    assert kq.get("codes").dtype == torch.uint8 and kq.get("codes").shape == (1, 2, 64, 8)
+    assert kq.get("scale").shape == (1, 2, 2, 32)  # per channel, per block of 32 tokens
+    err = (kq.decode() - x).abs()
+    span = x.reshape(1, 2, 2, 32, 32).amax(3) - x.reshape(1, 2, 2, 32, 32).amin(3)
+    assert bool((err.reshape(1, 2, 2, 32, 32) <= span[:, :, :, None] / 6 * 1.01 + 1e-3).all())
+    with pytest.raises(SchemeError, match="blocks of 32"):
+        s.encode_k(x[:, :, :10], 0, 0, 0)
+
+
+def test_registry_rejects_bad_functions():
+    with pytest.raises(SchemeError, match="changed the shape"):
+        register_scheme("bad_shape", lambda x: x[..., :-1])
+    with pytest.raises(SchemeError, match="NaN"):
+        register_scheme("bad_nan", lambda x: x * float("nan"))
+    with pytest.raises(SchemeError, match="deterministic"):
+        register_scheme("bad_random", lambda x: x + 1e-2 * torch.randn_like(x))
+    register_scheme("ok_random", lambda x: x + 1e-2 * torch.randn_like(x), deterministic=False)
+    unregister_scheme("ok_random")
+    with pytest.raises(SchemeError, match="unknown scheme"):
+        get_scheme("int3")
+    with pytest.raises(SchemeError, match="built in"):
+        register_scheme("int8", lambda x: x)
+
+
+def test_registry_checks_every_call(model):
+    """A function that turns bad on real data is caught at first use, not served."""
+    calls = []
+
+    def fn(x):
+        calls.append(1)
+        return x if len(calls) <= 2 else x * float("inf")  # the registration probe calls twice
+
+    register_scheme("turns_bad", fn)
+    try:
+        with pytest.raises(SchemeError, match="NaN or Inf"):
+            gen(model, tiny_ids(1, 20), CertifiedCache(model.config, "turns_bad", sinks=0, window=0), n=2)
+    finally:
+        unregister_scheme("turns_bad")
+
+
+def test_registered_scheme_is_certified(model):
+    """A black-box round trip (bf16 rounding) is measured, stored in fp16, and certified."""
+    register_scheme("bf16_round", lambda x: x.bfloat16().float())
+    try:
+        cache = CertifiedCache(model.config, "bf16_round", sinks=0, window=0, shadow=True)
+        gen(model, tiny_ids(1, 40), cache, n=4)
+        assert bool((stacked(cache, "true_tv") <= stacked(cache, "min")).all())
+        assert float(stacked(cache, "min").max()) > 0
+    finally:
+        unregister_scheme("bf16_round")
+
+
+def test_cli_decode_with_evictor(model):
+    """The integration point for fast.evictors: evict after the prefill, then certified decoding."""
+    from fast.cli import decode
+    from fast.evictors import make_evictor
+    cache = CertifiedCache(model.config, "int8", sinks=4, window=8, shadow=True)
+    ids = tiny_ids(1, 150, seed=5)[0].tolist()
+    out, info = decode(model, ids, cache, 5, evict=make_evictor("snapkv:64"), progress=False)
+    assert info["evicted"] and info["bytes_after"] < info["bytes_before"]
+    assert cache.layers[0].n == 64 + len(out) - 1 and len(cache.records) == 2 * (len(out) - 1)
+    assert bool((stacked(cache, "true_tv") <= stacked(cache, "min")).all())

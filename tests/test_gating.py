@@ -1,0 +1,94 @@
+"""Gating on the tiny GQA Llama: certified:TAU, risk:K, the offload tiers and their bytes."""
+
+import pytest
+import torch
+
+from fast.cache import CertifiedCache, Gate, parse_gate
+from fast.meter import enable
+from tests.tiny_model import tiny_ids, tiny_llama
+
+
+@pytest.fixture(scope="module")
+def model():
+    return enable(tiny_llama())
+
+
+def gen(model, ids, cache=None, n=6):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=n, do_sample=False, cache=cache)
+
+
+def stacked(cache, key):
+    return torch.stack([r[key] for r in cache.records])
+
+
+def test_parse_gate():
+    assert parse_gate("none") == Gate()
+    assert parse_gate("certified:0.2") == Gate("certified", tau=0.2)
+    assert parse_gate("risk:3") == Gate("risk", k=3)
+    for bad in ("certified", "certified:x", "certified:1.5", "risk:-1", "risk:a", "always", "certified:"):
+        with pytest.raises(ValueError):
+            parse_gate(bad)
+
+
+def test_certified_zero_serves_everything_exact(model):
+    """TAU = 0: every slot is repaired at the first read, so the text is the exact model's."""
+    ids = tiny_ids(1, 64, seed=5)
+    ref = gen(model, ids, n=8)
+    cache = CertifiedCache(model.config, "int4", gate="certified:0", sinks=0, window=0)
+    out = gen(model, ids, cache, n=8)
+    assert out.tolist() == ref.tolist()
+    slots = model.config.num_hidden_layers * model.config.num_key_value_heads
+    assert sum(r["fresh_repairs"] for r in cache.records) == slots
+    assert float(stacked(cache, "pre_min")[:2].max()) > 0.1  # int4 really hurt before the repair
+    assert float(stacked(cache, "min").max()) < 1e-3         # only the kernel's fp32 rounding is left
+    mem = cache.memory()
+    assert mem["offload_bytes"] > 0 and mem["repair_traffic_bytes"] >= mem["offload_bytes"]
+
+
+def test_certified_tau_caps_every_served_bound(model):
+    ids = tiny_ids(1, 64, seed=6)
+    free = CertifiedCache(model.config, "fp8_e5m2", sinks=0, window=0)
+    gen(model, ids, free, n=4)
+    slot_max = stacked(free, "min").view(-1, 2, 1, 2, 2).amax(dim=(0, 2, 4))  # [L, Hkv] worst over steps
+    tau = float(slot_max.min() + slot_max.max()) / 2  # some slots above, some below
+    cache = CertifiedCache(model.config, "fp8_e5m2", gate=f"certified:{tau}", sinks=0, window=0, shadow=True)
+    gen(model, ids, cache, n=4)
+    bound, pre = stacked(cache, "min"), stacked(cache, "pre_min")
+    assert float(bound.max()) <= tau
+    assert bool((stacked(cache, "true_tv") <= bound).all())
+    # a slot is repaired iff its bound exceeded tau at some read (sticky from then on)
+    L = model.config.num_hidden_layers
+    for l in range(L):
+        recs = [r for r in cache.records if r["layer"] == l]
+        over = torch.stack([r["pre_min"].view(1, 2, 2).amax(dim=(0, 2)) > tau for r in recs]).any(0)
+        assert torch.equal(recs[-1]["repaired"], over)
+    assert 0 < int(cache.records[-1]["repaired"].sum() + cache.records[-2]["repaired"].sum()) < 2 * L
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_risk_keeps_k_slots_exact(model, k):
+    cache = CertifiedCache(model.config, "int4", gate=f"risk:{k}", sinks=0, window=0)
+    gen(model, tiny_ids(1, 64, seed=7), cache, n=5)
+    repaired = [layer.repaired for layer in cache.layers]
+    assert int(sum(r.sum() for r in repaired)) == k
+    scores = [(tuple(layer.risk[h].tolist()), l, h) for l, layer in enumerate(cache.layers) for h in range(2)]
+    top = {(l, h) for _, l, h in sorted(scores, reverse=True)[:k]}
+    assert {(l, h) for l, r in enumerate(repaired) for h in range(2) if r[h]} == top
+    with pytest.raises(ValueError, match="exceeds"):
+        CertifiedCache(model.config, "int4", gate="risk:5")
+
+
+def test_residual_offload_beats_a_full_copy(model):
+    """The residual tier (int8 codes of k - k_hat + its own witness) repairs soundly with fewer
+    offload bytes than an fp16 copy of the same tokens."""
+    ids = tiny_ids(1, 96, seed=8)
+    full = CertifiedCache(model.config, "int4", gate="certified:0", sinks=0, window=0)
+    gen(model, ids, full, n=4)
+    res = CertifiedCache(model.config, "int4", gate="certified:0", sinks=0, window=0, offload="residual", shadow=True)
+    gen(model, ids, res, n=4)
+    bound, pre = stacked(res, "min"), stacked(res, "pre_min")
+    assert bool((stacked(res, "true_tv") <= bound).all())
+    assert float(bound.max()) < 0.2 * float(pre[:2].max())  # the residual tier is far tighter than int4
+    m_res, m_full = res.memory(), full.memory()
+    assert m_res["offload_bytes"] < 0.6 * m_full["fp16_bytes"] < m_full["offload_bytes"]
