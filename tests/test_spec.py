@@ -75,6 +75,12 @@ def test_row_tests_exist(row):
         assert name in test_functions(path), f"{row['id']}: {node} is not a test function"
 
 
+@pytest.mark.parametrize("row", [r for r in THEOREMS if r["fast"]], ids=lambda r: r["id"])
+def test_row_with_fast_function_has_a_differential_test(row):
+    """A fast mirror is only trusted with a fast-vs-reference test (conformance/test_fast_*)."""
+    assert any(t.startswith("conformance/test_fast_") for t in row["tests"]), f"{row['id']}: no differential test"
+
+
 def test_every_reference_module_is_in_spec():
     used = {r["reference"].split(":")[0] for r in THEOREMS}
     for path in sorted((ROOT / "reference").glob("*.py")):
