@@ -1,11 +1,13 @@
 """kvcert: generate with a certified compressed KV cache on the shipped SmolLM2.
 
     kvcert run --scheme fp8_e5m2 --gate certified:0.2 --prompt-file F [--shadow] [--max-new-tokens N] [--out DIR]
+    kvcert run --scheme int8 --evict snapkv:256 --page page.json --prompt-file F   # eviction certificate (T7)
     kvcert report DIR
     kvcert demo
+    kvcert calibrate-page --budget 256 --out page.json                              # PAGE tau (fast.evict_cli)
 
-Bad input (unknown scheme or gate, malformed TAU, a prompt longer than the model's
-context, a missing model package) prints one line and exits with status 2.
+Bad input (unknown scheme, gate or evictor, malformed TAU or budget, a prompt longer than
+the model's context, a missing model package) prints one line and exits with status 2.
 """
 
 import argparse
@@ -64,11 +66,11 @@ def prefill_exact(model, ids, progress=True, desc=""):
     return cache, logits
 
 
-def decode(model, ids, cache, max_new, *, eos=None, progress=True, evict=None, page=None, desc="", shared=None):
+def decode(model, ids, cache, max_new, *, eos=None, progress=True, desc="", shared=None):
     """Greedy decoding with our own loop (progress bars per prefill layer and per token).
     cache=None: a plain DynamicCache. shared=(exact DynamicCache, logits): start from a prefill
     already made (the prefill reads exact keys under every scheme, so it can be shared).
-    Returns (new token ids, eviction info or None)."""
+    Returns the new token ids. (Eviction: `decode_evicting`.)"""
     import copy
     import torch
     from tqdm import tqdm
@@ -79,7 +81,6 @@ def decode(model, ids, cache, max_new, *, eos=None, progress=True, evict=None, p
         cache = copy.deepcopy(shared[0]) if shared else DynamicCache(config=model.config)
     x = torch.tensor([ids])
     L = model.config.num_hidden_layers
-    info = None
     with torch.no_grad():
         if shared is not None:
             if not plain:
@@ -89,14 +90,7 @@ def decode(model, ids, cache, max_new, *, eos=None, progress=True, evict=None, p
             bar = tqdm(total=L, desc=f"{desc}prefill", unit="layer", disable=not progress, leave=False)
             if not plain:
                 cache.on_layer = lambda phase, l: bar.update(1) if phase == "prefill" else None
-            if evict is not None:
-                from fast.evictors import _needs, evict as run_evict, prefill
-                pre = prefill(model, x, None, needs=_needs(evict, page), cache=cache)
-                ev = run_evict(pre, evict, page=page, witness=False)
-                info = {"evicted": ev.evicted, "bytes_before": ev.bytes_before, "bytes_after": ev.bytes_after}
-                logits = pre.logits
-            else:
-                logits = model(input_ids=x, cache=cache, use_cache=True).logits[:, -1]
+            logits = model(input_ids=x, cache=cache, use_cache=True).logits[:, -1]
             bar.update(L - bar.n)
             bar.close()
         tok = logits.argmax(-1)
@@ -111,7 +105,38 @@ def decode(model, ids, cache, max_new, *, eos=None, progress=True, evict=None, p
         bar.close()
     if not plain:
         cache.on_layer = None
-    return out, info
+    return out
+
+
+def decode_evicting(model, ids, cache, args, evict, page, *, eos=None, progress=True, desc=""):
+    """Greedy decoding with eviction after the prefill (fast.evictors.generate: new tokens keep
+    the RoPE positions N + t, the mask follows the kept layout, the eviction certificate of every
+    decode step is in out["trace"]). Returns (new token ids, generate's dict)."""
+    import torch
+    from tqdm import tqdm
+    from fast.evictors import generate
+    from fast.schemes import SchemeError
+    L = model.config.num_hidden_layers
+    pbar = tqdm(total=L, desc=f"{desc}prefill", unit="layer", disable=not progress, leave=False)
+    dbar = tqdm(total=args.max_new_tokens, desc=f"{desc}decode", unit="tok", disable=not progress, leave=False)
+
+    def tick(phase, l):
+        if phase == "prefill":
+            pbar.update(1)
+        elif l == L - 1:
+            dbar.update(1)
+
+    cache.on_layer = tick
+    try:
+        out = generate(model, torch.tensor([ids]), evictor=evict, page=page, cache=cache, max_new_tokens=args.max_new_tokens,
+                       eos_token_id=eos, group_size=args.evict_group_size, shadow=args.shadow)
+    except (ValueError, SchemeError) as e:   # e.g. a block-quantized scheme cannot drop single tokens
+        raise UsageError(f"--evict {args.evict} with --scheme {args.scheme}: {e}") from None
+    finally:
+        cache.on_layer = None
+        pbar.close()
+        dbar.close()
+    return out["tokens"][0].tolist(), out
 
 
 def load(args_progress=True):
@@ -137,6 +162,18 @@ def check_args(args):
         raise UsageError(f"--delta-req must lie in (0, 1), got {args.delta_req}")
     if args.max_new_tokens < 1:
         raise UsageError("--max-new-tokens must be >= 1")
+    if getattr(args, "evict_group_size", 1) < 1:
+        raise UsageError("--evict-group-size must be >= 1")
+    from fast.evict_cli import from_args
+    try:
+        evict, page = from_args(args)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    scheme = get_scheme(args.scheme)
+    if evict is not None and (scheme.block_k > 1 or scheme.dither):
+        why = f"quantizes keys in blocks of {scheme.block_k} tokens" if scheme.block_k > 1 else "keeps dither counters that follow contiguous tokens"
+        raise UsageError(f"--evict needs a per-token scheme: {args.scheme} {why} (try int8, int4 or fp8_e4m3)")
+    return evict, page
 
 
 def prompt_ids(tok, model, text, max_new):
@@ -149,39 +186,44 @@ def prompt_ids(tok, model, text, max_new):
 
 
 def run_one(model, tok, ids, args, progress=True, desc="", shared=None):
-    """Generate under args.scheme/args.gate; returns (answer, trace)."""
+    """Generate under args.scheme/args.gate (and args.evict/args.page when present); returns (answer, trace)."""
     from fast import trace as T
-    evict = page = None
-    if args.evict:
-        try:
-            from fast.evictors import make_evictor
-        except ImportError:
-            raise UsageError("--evict needs fast/evictors.py (the eviction module is not installed)") from None
-        try:
-            evict = make_evictor(args.evict)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
-        if args.page is not None:
-            from fast.page import Page
-            page = Page.load(args.page) if Path(args.page).is_file() else Page(float(args.page))
+    from fast.evict_cli import from_args, trace_summary
+    from fast.evictors import keep_count
+    try:
+        evict, page = from_args(args) if hasattr(args, "evict") else (None, None)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     cache = new_cache(model, args)
+    info = gen = None
     t0 = time.perf_counter()
-    out, info = decode(model, ids, cache, args.max_new_tokens, eos=tok.eos_token_id, progress=progress,
-                       evict=evict, page=page, desc=desc, shared=shared)
+    if evict is not None and keep_count(evict.budget, len(ids)) >= len(ids):
+        # the budget holds the whole prompt: nothing to evict, no eviction certificate needed
+        info = {"spec": args.evict, "evicted": False, "note": f"the {len(ids)}-token prompt fits the budget"}
+        evict = None
+    if evict is not None:
+        out, gen = decode_evicting(model, ids, cache, args, evict, page, eos=tok.eos_token_id, progress=progress, desc=desc)
+        info = {"spec": args.evict, "group_size": args.evict_group_size, **trace_summary(gen)}
+        if page is not None:
+            info["page_tau"] = page.tau
+    else:
+        out = decode(model, ids, cache, args.max_new_tokens, eos=tok.eos_token_id, progress=progress,
+                     desc=desc, shared=shared)
     secs = time.perf_counter() - t0
     answer = tok.decode(out, skip_special_tokens=True).strip()
     meta = {"command": " ".join(sys.argv), "answer": answer, "prompt_tokens": len(ids), "new_tokens": len(out),
             "seconds": round(secs, 3), "sinks": args.sinks, "window": args.window, "seed": args.seed,
             "delta_req": args.delta_req, "offload": args.offload, "witness": args.witness, "shadow": args.shadow}
     if info is not None:
-        meta["eviction"] = {"spec": args.evict, **info}
-    return answer, T.from_cache(cache, meta)
+        meta["eviction"] = info
+    tr = T.from_cache(cache, meta)
+    if gen is not None:
+        T.add_eviction(tr, gen["trace"])
+    return answer, tr
 
 
 def cmd_run(args):
     check_args(args)
-    if args.page is not None and not args.evict:
-        raise UsageError("--page gates an evictor: give --evict SPEC too")
     path = Path(args.prompt_file)
     if not path.is_file():
         raise UsageError(f"prompt file not found: {path}")
@@ -193,9 +235,6 @@ def cmd_run(args):
     out = T.save(tr, args.out)
     print(f"answer: {answer}")
     print(T.format_summary(T.summary(tr)))
-    if "eviction" in tr.meta:
-        e = tr.meta["eviction"]
-        print(f"  eviction {e['spec']}: evicted={e['evicted']}, device bytes {e['bytes_before']} -> {e['bytes_after']}")
     print(f"trace and plots: {out}/")
     return 0
 
@@ -206,11 +245,11 @@ def cmd_report(args):
         tr = T.load(args.dir)
     except FileNotFoundError as e:
         raise UsageError(str(e)) from None
-    T.plots(tr, args.dir)
+    files = T.plots(tr, args.dir)
     if tr.meta.get("answer") is not None:
         print(f"answer: {tr.meta['answer']}")
     print(T.format_summary(T.summary(tr)))
-    print(f"plots: {args.dir}/bound_heatmap.png, {args.dir}/head_profile.png")
+    print(f"plots: {', '.join(str(f) for f in files) or 'none (no decode steps)'}")
     return 0
 
 
@@ -227,7 +266,7 @@ def cmd_demo(args):
     ids = prompt_ids(tok, model, text, args.max_new_tokens)
     print(f"passkey demo: {len(ids)} prompt tokens, the pass key is {key}")
     shared = prefill_exact(model, ids)  # the prefill reads exact keys under every scheme: share it
-    base, _ = decode(model, ids, None, args.max_new_tokens, eos=tok.eos_token_id, desc="uncompressed ", shared=shared)
+    base = decode(model, ids, None, args.max_new_tokens, eos=tok.eos_token_id, desc="uncompressed ", shared=shared)
     rows = [("uncompressed", "-", tok.decode(base, skip_special_tokens=True).strip(), None)]
     runs = [(DEMO_HARM, "none", "full"), (DEMO_HARM, f"certified:{args.tau}", "full"),
             (DEMO_HARM, f"certified:{args.tau}", "residual"), ("int8_dither", "none", "full")]
@@ -272,8 +311,6 @@ def parser():
         p.add_argument("--witness", choices=("stored", "derived"), default="stored",
                        help="derived: zero-memory witness from the scales (uniform codecs); stored: 1 byte per band")
         p.add_argument("--shadow", action="store_true", help="also keep the exact cache and record the true TV")
-        p.add_argument("--evict", default=None, help="evictor SPEC (fast.evictors.make_evictor), e.g. snapkv:256")
-        p.add_argument("--page", default=None, help="PAGE gate for the evictor: a tau value or a calibration JSON")
 
     r = sub.add_parser("run", help="generate and certify")
     r.add_argument("--scheme", default="int8")
@@ -281,6 +318,8 @@ def parser():
     r.add_argument("--prompt-file", required=True)
     r.add_argument("--out", default=DEFAULT_OUT)
     common(r)
+    from fast.evict_cli import add_run_arguments
+    add_run_arguments(r)            # --evict, --page, --evict-group-size
     r.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("report", help="re-render the summary and plots of a saved trace")
@@ -293,10 +332,17 @@ def parser():
     d.add_argument("--tau", type=float, default=0.2)
     common(d)
     d.set_defaults(fn=cmd_demo, shadow=False)
+
+    sub.add_parser("calibrate-page", add_help=False, help="set the PAGE gate's tau on unlabelled prompts "
+                   "(kvcert calibrate-page --help)")
     return ap
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["calibrate-page"]:
+        from fast.evict_cli import calibrate_page_main
+        return calibrate_page_main(argv[1:])
     args = parser().parse_args(argv)
     from fast.model import ModelMissing
     try:

@@ -43,7 +43,11 @@ def from_args(args):
     page = None
     if args.page is not None:
         if Path(args.page).is_file():
-            page = Page.load(args.page)
+            try:
+                page = Page.load(args.page)
+            except (ValueError, KeyError, TypeError, OSError) as e:
+                raise ValueError(f"--page {args.page}: not a calibration file of `kvcert calibrate-page` "
+                                 f"({type(e).__name__}: {e})") from None
         else:
             try:
                 page = Page(float(args.page))

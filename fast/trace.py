@@ -3,11 +3,18 @@
     tr = from_cache(cache, meta)     # after generation
     save(tr, "out/")                 # out/trace.npz, out/trace.json, out/bound_heatmap.png, out/head_profile.png
     tr = load("out/"); print(format_summary(summary(tr)))
+    add_eviction(tr, out["trace"])   # with eviction (fast.evictors.generate's per-step trace)
 
 Arrays, T decode steps x L layers x B rows x H query heads:
 min (the reported bound), tanh, one_minus_b_over_a, e_form, max_c, pre_min (before a repair),
 optional dither_min (probabilistic tier, int8_dither) and true_tv (shadow mode);
 repaired [T, L, Hkv] (the KV heads served from the offload tier at that step).
+With eviction (math.md T7), same layout: evict_bound (TV(p, p^K) <= U/(L+U), the kept keys'
+quantization error included), evict_log_odds, optional evict_true (the true evicted mass,
+shadow mode), and composed = compose_tv(evict_bound, min): the triangle inequality (T7d)
+TV(p, p~^K) <= TV(p, p^K) + TV(p^K, p~^K), full exact cache against the served evicted one.
+meta["eviction"] holds the spec, the PAGE drop / tau / decision, bytes before and after
+eviction and the group witness bytes.
 """
 
 import json
@@ -18,6 +25,7 @@ import numpy as np
 
 COVER = 0.2  # coverage: share of checks with bound <= COVER
 KEYS = ("min", "tanh", "one_minus_b_over_a", "e_form", "max_c", "pre_min", "dither_min", "true_tv", "repaired")
+EVICT_KEYS = {"bound": "evict_bound", "log_odds": "evict_log_odds", "true": "evict_true"}
 
 
 @dataclass
@@ -47,6 +55,51 @@ def from_cache(cache, meta=None):
     return Trace(arrays, meta)
 
 
+def add_eviction(tr, steps):
+    """Add the eviction certificate of every decode step (fast.evictors.generate's out["trace"]:
+    per step {"bound", "log_odds"[, "true"]} of shape [L, B, H]) and its composition with the
+    quantization certificate `min` (same steps: both start at the first decode step)."""
+    import torch
+    from fast.evict import compose_tv
+    if not steps:
+        return tr
+    for src, dst in EVICT_KEYS.items():
+        if src in steps[0]:
+            tr.arrays[dst] = np.stack([t[src].detach().cpu().numpy() for t in steps])
+    ev = tr.arrays["evict_bound"]
+    if "min" in tr.arrays:
+        q = tr.arrays["min"]
+        if q.shape != ev.shape:
+            raise ValueError(f"trace: eviction bound {ev.shape} and quantization bound {q.shape} do not align")
+        tr.arrays["composed"] = compose_tv(torch.from_numpy(ev), torch.from_numpy(q)).numpy()
+    if "eviction" in tr.meta:
+        tr.meta["eviction"]["composed_max_per_step"] = [float(x) for x in tr.arrays.get("composed", ev).max(axis=(1, 2, 3))]
+    return tr
+
+
+def eviction_summary(tr, cover=COVER):
+    """Eviction numbers: decision, bytes, witness cost, the eviction and the composed bounds."""
+    a, e = tr.arrays, tr.meta.get("eviction")
+    if not e:
+        return {}
+    out = {k: e[k] for k in ("spec", "evicted", "note", "bytes_before", "bytes_after", "witness_bytes",
+                             "page_drop", "page_tau", "page_decision") if k in e}
+    if e.get("evicted") and e.get("bytes_before", 0) > e.get("bytes_after", 0):
+        out["witness_share_of_freed"] = e["witness_bytes"] / (e["bytes_before"] - e["bytes_after"])
+    for name, key in (("evict", "evict_bound"), ("composed", "composed")):
+        if key in a and a[key].size:
+            b = a[key]
+            out.update({f"{name}_worst": float(b.max()), f"{name}_median": float(np.median(b)),
+                        f"{name}_coverage": float((b <= cover).mean())})
+    if "evict_bound" in a:
+        key = "composed" if "composed" in a else "evict_bound"
+        out["composed_max_per_step"] = [float(x) for x in a[key].max(axis=(1, 2, 3))]
+    if "evict_true" in a and a["evict_true"].size:
+        out["evict_violations"] = int((a["evict_true"] > a["evict_bound"]).sum())
+        out["evict_true_max"] = float(a["evict_true"].max())
+    return out
+
+
 def summary(tr, cover=COVER):
     """Numbers a user reads: checks, coverage, worst / median bound, repairs, bytes, and in
     shadow mode violations (true TV > bound) and bound / true TV ratios."""
@@ -69,6 +122,9 @@ def summary(tr, cover=COVER):
     mem = m.get("memory") or {}
     out.update({k: mem[k] for k in ("device_bytes_per_token", "fp16_bytes_per_token", "offload_bytes_per_token",
                                     "device_bytes", "offload_bytes", "repair_traffic_bytes") if k in mem})
+    ev = eviction_summary(tr, cover)
+    if ev:
+        out["eviction"] = ev
     return out
 
 
@@ -105,7 +161,36 @@ def format_summary(s):
     if "det_violations" in s:
         lines.append(f"  shadow: violations {s['det_violations']}, bound/true TV median {_fmt(s['det_ratio_median'])}, "
                      f"worst {_fmt(s['det_ratio_worst'])}, max true TV {_fmt(s['true_tv_max'])}")
+    if "eviction" in s:
+        lines += format_eviction(s["eviction"])
     return "\n".join(lines)
+
+
+def format_eviction(e):
+    gate = ""
+    if "page_drop" in e:
+        drops = ", ".join(_fmt(float(d)) for d in e["page_drop"])
+        gate = f"; PAGE drop {drops} vs tau {_fmt(e.get('page_tau'))}: {e.get('page_decision')}"
+    lines = [f"eviction {e.get('spec')}: {'evicted' if e.get('evicted') else 'full cache kept'}{gate}"]
+    if "note" in e:
+        lines[-1] += f" ({e['note']})"
+    if "bytes_before" in e:
+        lines.append(f"  device bytes {e['bytes_before']} -> {e['bytes_after']} "
+                     f"({e['bytes_after'] / max(e['bytes_before'], 1):.2f}x); group witness {e.get('witness_bytes', 0)} B"
+                     + (f" ({e['witness_share_of_freed']:.1%} of the bytes freed)" if "witness_share_of_freed" in e else ""))
+    if "evict_worst" in e:
+        lines.append(f"  eviction certificate TV(p, p^K): worst {_fmt(e['evict_worst'])}   median {_fmt(e['evict_median'])}   "
+                     f"coverage {e['evict_coverage']:.1%}")
+    if "composed_worst" in e:
+        lines.append(f"  composed with quantization (triangle, T7d) TV(p, p~^K): worst {_fmt(e['composed_worst'])}   "
+                     f"median {_fmt(e['composed_median'])}   coverage {e['composed_coverage']:.1%}")
+    if "composed_max_per_step" in e:
+        lines.append("  composed bound per decode step (max over layers, heads): "
+                     + " ".join(f"{x:.3g}" for x in e["composed_max_per_step"]))
+    if "evict_violations" in e:
+        lines.append(f"  eviction shadow: violations {e['evict_violations']} (true evicted mass > bound), "
+                     f"max true mass {_fmt(e['evict_true_max'])}")
+    return lines
 
 
 def save(tr, out):
@@ -170,4 +255,25 @@ def plots(tr, out):
     fig.suptitle(f"per-head profile: {title}")
     fig.savefig(out / "head_profile.png", dpi=100)
     plt.close(fig)
-    return [out / "bound_heatmap.png", out / "head_profile.png"]
+    files = [out / "bound_heatmap.png", out / "head_profile.png"]
+    if "evict_bound" in tr.arrays and tr.arrays["evict_bound"].size:
+        files.append(_eviction_plot(tr, out, plt))
+    return files
+
+
+def _eviction_plot(tr, out, plt):
+    """eviction_heatmap.png: layer x step (worst head) of the eviction bound and of the composed bound."""
+    panels = [("evict_bound", "eviction TV(p, p^K)"), ("composed", "composed TV(p, p~^K)")]
+    panels = [(k, name) for k, name in panels if k in tr.arrays]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.5), sharey=True, squeeze=False)
+    for ax, (key, name) in zip(axes[0], panels):
+        im = ax.imshow(tr.arrays[key].max(axis=(2, 3)).T, aspect="auto", origin="lower", cmap="magma", vmin=0, vmax=1,
+                       interpolation="nearest")
+        ax.set_xlabel("decode step")
+        ax.set_title(name)
+    axes[0][0].set_ylabel("layer")
+    fig.colorbar(im, ax=axes[0].tolist(), label="certified TV bound")
+    fig.suptitle(f"eviction {(tr.meta.get('eviction') or {}).get('spec')}, scheme {tr.meta.get('scheme')}: worst head")
+    fig.savefig(out / "eviction_heatmap.png", dpi=100)
+    plt.close(fig)
+    return out / "eviction_heatmap.png"
