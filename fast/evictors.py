@@ -518,7 +518,13 @@ class Certifier:
             self.orig[layer] = torch.cat([self.orig[layer], torch.full((B, Hkv, 1), n_all, dtype=torch.long)], 2)
             if layer == 0:
                 self.valid_full = torch.cat([self.valid_full, torch.ones(B, 1, dtype=torch.bool)], 1)
-        if w is None:
+        if not self.ev.witnesses:  # eviction without witnesses: no certificate
+            return
+        if w is None:  # the witness is None only when no real token was evicted: TV(p, p^K) = 0 (T7a)
+            zero = torch.zeros(q.shape[:2], dtype=torch.float32)   # [B, H]
+            self.step_bounds[layer], self.step_log_odds[layer] = zero, torch.full_like(zero, -torch.inf)
+            if self.shadow:
+                self.step_true[layer] = zero
             return
         with torch.no_grad():
             c = None

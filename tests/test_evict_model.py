@@ -116,3 +116,13 @@ def test_decode_time_eviction_refuses_attention_scores():
     ids = torch.randint(0, 128, (1, 120), generator=torch.Generator().manual_seed(2))
     with pytest.raises(ValueError):
         generate(tiny(), ids, evictor=make_evictor("snapkv:80"), max_new_tokens=12, decode_every=4)
+
+
+def test_budget_holding_the_whole_prompt_certifies_zero():
+    """property: when the budget keeps every token, nothing is evicted and the certificate is 0."""
+    model = tiny()
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(3))
+    out = generate(model, ids, torch.ones(1, 40, dtype=torch.long), evictor=make_evictor("snapkv:80"),
+                   max_new_tokens=3, shadow=True)
+    bad, bound, true = violations(out)
+    assert bad == 0 and float(bound.abs().max()) == 0 and float(true.abs().max()) == 0
