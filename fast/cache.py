@@ -167,7 +167,7 @@ class CertifiedLayer(CacheLayerMixin):
             # prefill reads the fresh exact states (as every quantized cache does); decode reads the cache
             self.served_k, self.served_v = key_states, value_states
         else:
-            self.served_k, self.served_v = self.served()
+            self.served_k, self.served_v = self.served(scratch=True)
         return self.served_k, self.served_v
 
     # ---- writing ----
@@ -221,18 +221,39 @@ class CertifiedLayer(CacheLayerMixin):
         self.nq += m
 
     # ---- reading ----
-    def served(self):
-        """(k, v) [B, Hkv, N, D] as the attention reads them: decoded codes (+ residual on repaired
-        heads), exact tail, exact overlay, or the exact copy on repaired heads."""
-        rep = self.repaired.nonzero().flatten().tolist()
-        if not self.nq:
-            k, v = self.k_tail.clone(), self.v_tail.clone()  # written below: never alias the stored tail
+    def _decode_into(self, stored, out):
+        """out[:] = stored.decode() in self.dtype, without temporaries for int8 (code x fp16 scale
+        is exact in fp32, so this equals fast.quant.dequantize bit for bit)."""
+        qt = getattr(stored, "qt", None)
+        if qt is not None and qt.scheme == "int8" and out.dtype == torch.float32:
+            ng = qt.scales.shape[-1]
+            B, Hkv, N, D = out.shape
+            torch.mul(qt.codes.view(B, Hkv, N, ng, D // ng), qt.scales.to(torch.float32).unsqueeze(-1),
+                      out=out.view(B, Hkv, N, ng, D // ng))
         else:
-            kd, vd = self.kq.decode().to(self.dtype), self.vq.decode().to(self.dtype)
+            out.copy_(stored.decode())
+
+    def served(self, scratch=False):
+        """(k, v) [B, Hkv, N, D] as the attention reads them: decoded codes (+ residual on repaired
+        heads), exact tail, exact overlay, or the exact copy on repaired heads.
+        scratch=True: written into the cache's decode workspace (one layer's worth, shared by all
+        layers and reused every step: valid until the next layer's read), no per-step allocation."""
+        rep = self.repaired.nonzero().flatten().tolist()
+        if scratch:
+            k, v = self.cache.workspace(self.B, self.Hkv, self.n, self.D, self.dtype, self.device)
+        else:
+            shape = (self.B, self.Hkv, self.n, self.D)
+            k = torch.empty(shape, dtype=self.dtype, device=self.device)
+            v = torch.empty(shape, dtype=self.dtype, device=self.device)
+        nq = self.nq
+        if nq:
+            self._decode_into(self.kq, k[:, :, :nq])
+            self._decode_into(self.vq, v[:, :, :nq])
             if rep and self.cache.offload == "residual":
-                kd[:, rep] += self.res_k.decode()[:, rep].to(self.dtype)
-                vd[:, rep] += self.res_v.decode()[:, rep].to(self.dtype)
-            k, v = torch.cat([kd, self.k_tail], dim=2), torch.cat([vd, self.v_tail], dim=2)
+                k[:, rep, :nq] += self.res_k.decode()[:, rep].to(self.dtype)
+                v[:, rep, :nq] += self.res_v.decode()[:, rep].to(self.dtype)
+        k[:, :, nq:] = self.k_tail
+        v[:, :, nq:] = self.v_tail
         if self.ex_idx.shape[2]:
             idx = self.ex_idx[..., None].expand(*self.ex_idx.shape, self.D)
             on = self.ex_on[..., None]
@@ -299,7 +320,7 @@ class CertifiedLayer(CacheLayerMixin):
             if not self.repaired[h]:
                 self.repaired[h] = True
                 self.traffic += self.head_bytes(h)
-        self.served_k, self.served_v = self.served()
+        self.served_k, self.served_v = self.served(scratch=True)
 
     # ---- eviction hook ----
     def keep_tokens(self, index):
@@ -406,11 +427,21 @@ class CertifiedCache(Cache):
         if self.gate.kind == "risk" and self.gate.k > self.num_layers * config.num_key_value_heads:
             raise ValueError(f"gate risk:{self.gate.k}: K exceeds the {self.num_layers * config.num_key_value_heads} (layer, KV head) slots")
         self.evicted = False
+        self._work = {}        # decode workspace (see workspace())
         self.records = []      # one dict per (decode step, layer), filled by fast.meter
         self.risk_done = False
         self.on_layer = None   # optional callback(phase, layer_idx) after each attention call (progress bars)
         layers = [CertifiedLayer(self, i) for i in range(self.num_layers)]
         super().__init__(layers=layers)
+
+    def workspace(self, B, Hkv, N, D, dtype, device):
+        """Two [B, Hkv, N, D] views of a decode buffer shared by all layers (capacity doubles)."""
+        key = (B, Hkv, D, dtype, device)
+        buf = self._work.get(key)
+        if buf is None or buf.shape[3] < N:
+            cap = max(N, 2 * buf.shape[3] if buf is not None else 64)
+            buf = self._work[key] = torch.empty(2, B, Hkv, cap, D, dtype=dtype, device=device)
+        return buf[0, :, :, :N], buf[1, :, :, :N]
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if layer_idx == 0 and self.gate.kind == "risk" and not self.risk_done and self.layers[0].n:

@@ -210,11 +210,13 @@ def test_registered_scheme_is_certified(model):
 
 def test_cli_decode_with_evictor(model):
     """The integration point for fast.evictors: evict after the prefill, then certified decoding."""
-    from fast.cli import decode
+    from types import SimpleNamespace
+    from fast.cli import decode_evicting
     from fast.evictors import make_evictor
     cache = CertifiedCache(model.config, "int8", sinks=4, window=8, shadow=True)
     ids = tiny_ids(1, 150, seed=5)[0].tolist()
-    out, info = decode(model, ids, cache, 5, evict=make_evictor("snapkv:64"), progress=False)
-    assert info["evicted"] and info["bytes_after"] < info["bytes_before"]
+    args = SimpleNamespace(max_new_tokens=5, evict_group_size=32, shadow=True, evict="snapkv:64", scheme="int8")
+    out, info = decode_evicting(model, ids, cache, args, make_evictor("snapkv:64"), None, progress=False)
+    assert info["eviction"].evicted and len(info["trace"]) == len(out) - 1
     assert cache.layers[0].n == 64 + len(out) - 1 and len(cache.records) == 2 * (len(out) - 1)
     assert bool((stacked(cache, "true_tv") <= stacked(cache, "min")).all())
