@@ -11,10 +11,9 @@ and p~ is <= the reported min. Shrunk failures: corpus_fast/test_fast_attention.
 
 import json
 import math
-from pathlib import Path
 
 import torch
-from hypothesis import example, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from mpmath import exp, fsum, mpf, workdps
 
@@ -22,21 +21,12 @@ import fast
 from fast.attention import logit_rounding, max_abs
 from reference import band as ref_band
 from reference import softmax as ref
+from conformance._check import replay
 
-CORPUS = Path(__file__).with_name("corpus_fast") / "test_fast_attention.json"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 CACHES = ["float", "int8", "int8_dither", "int4", "fp8_e4m3", "fp8_e5m2"]
 QMAG = {"tiny": 1e-3, "ordinary": 1.0, "huge": 1e4}  # huge: logits of order 1e4 (q.k ~ 1e4 sqrt(D), times 1/sqrt(D))
 
-
-def replay(test):
-    cases = json.loads(CORPUS.read_text()).get(test, []) if CORPUS.exists() else []
-
-    def deco(f):
-        for case in reversed(cases):
-            f = example(case=case)(f)
-        return f
-    return deco
 
 
 CASE = st.fixed_dictionaries({

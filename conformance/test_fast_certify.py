@@ -7,7 +7,6 @@ Shrunk failures live in conformance/corpus_fast/test_fast_certify.json, replayed
 """
 
 import json
-from pathlib import Path
 
 import torch
 from hypothesis import example, given, settings
@@ -16,23 +15,14 @@ from mpmath import mpf
 
 import fast
 from reference import softmax as ref
+from conformance._check import replay
 
-CORPUS = Path(__file__).with_name("corpus_fast") / "test_fast_certify.json"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # logit scale, c range per magnitude regime
 LOGIT = {"tiny": 1e-3, "ordinary": 2.0, "huge": 1e4, "saturated": 2.0}
 CMAG = {"tiny": 1e-6, "ordinary": 0.2, "huge": 0.5, "saturated": 40.0}
 FP32_MAX = 3.4e38
 
-
-def replay(test):
-    cases = json.loads(CORPUS.read_text()).get(test, []) if CORPUS.exists() else []
-
-    def deco(f):
-        for case in reversed(cases):
-            f = example(case=case)(f)
-        return f
-    return deco
 
 
 def build(case):

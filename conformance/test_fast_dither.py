@@ -7,29 +7,19 @@ Shrunk failures: conformance/corpus_fast/test_fast_dither.json, replayed by @exa
 
 import json
 import math
-from pathlib import Path
 
 import torch
-from hypothesis import example, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from mpmath import mpf
 
 import fast
 from reference import dither as ref
+from conformance._check import replay
 
-CORPUS = Path(__file__).with_name("corpus_fast") / "test_fast_dither.json"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 REL, ABS = mpf("1e-4"), mpf("1e-6")
 
-
-def replay(test):
-    cases = json.loads(CORPUS.read_text()).get(test, []) if CORPUS.exists() else []
-
-    def deco(f):
-        for case in reversed(cases):
-            f = example(case=case)(f)
-        return f
-    return deco
 
 
 CASE = st.fixed_dictionaries({

@@ -7,29 +7,19 @@ Shrunk failures: conformance/corpus_fast/test_fast_quant.json, replayed by @exam
 """
 
 import json
-from pathlib import Path
 
 import torch
-from hypothesis import example, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from mpmath import mpf
 
 import fast
 from fast.quant import FP8, QMAX
 from reference import band as ref
+from conformance._check import replay
 
-CORPUS = Path(__file__).with_name("corpus_fast") / "test_fast_quant.json"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
-
-def replay(test):
-    cases = json.loads(CORPUS.read_text()).get(test, []) if CORPUS.exists() else []
-
-    def deco(f):
-        for case in reversed(cases):
-            f = example(case=case)(f)
-        return f
-    return deco
 
 
 CASE = st.fixed_dictionaries({

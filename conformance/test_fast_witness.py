@@ -9,30 +9,20 @@ Shrunk failures: conformance/corpus_fast/test_fast_witness.json, replayed by @ex
 
 import json
 import math
-from pathlib import Path
 
 import torch
-from hypothesis import example, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from mpmath import mpf
 
 import fast
 from reference import band as ref
+from conformance._check import replay
 
-CORPUS = Path(__file__).with_name("corpus_fast") / "test_fast_witness.json"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 MAG = {"tiny": 1e-3, "ordinary": 1.0, "huge": 1e3}  # keys; errors are ~1e-2 of that; 1e3 keys give ~1e4-scale logits
 REL, ABS = mpf("1e-4"), mpf("1e-6")
 
-
-def replay(test):
-    cases = json.loads(CORPUS.read_text()).get(test, []) if CORPUS.exists() else []
-
-    def deco(f):
-        for case in reversed(cases):
-            f = example(case=case)(f)
-        return f
-    return deco
 
 
 CASE = st.fixed_dictionaries({
