@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tests.tiny_model import tiny_evict_llama
 
 from fast import trace as T
 from fast.cli import main, passkey_prompt, run_one
@@ -54,11 +54,7 @@ class Tok:
 
 
 def tiny():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                      attn_implementation="sdpa")
-    return enable(LlamaForCausalLM(cfg).eval())
+    return enable(tiny_evict_llama(hidden=128))
 
 
 def args(**kw):

@@ -12,14 +12,11 @@ from benchmarks.ruler import build, make_example
 from fast.evict import witness_cost
 from fast.evictors import EVICTORS, generate, make_evictor
 from fast.page import Page
+from tests.tiny_model import tiny_evict_llama
 
 
 def tiny():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                      attn_implementation="sdpa")
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_evict_llama()
 
 
 def violations(out):

@@ -3,7 +3,7 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tests.tiny_model import tiny_evict_llama
 
 from fast.evictors import generate, make_evictor
 from fast.page import Page, calibrate, calibrate_model, head_agreement_drop, layer_agreement
@@ -54,11 +54,7 @@ def test_calibrate_quantile_and_validation():
 
 
 def tiny():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                      attn_implementation="sdpa")
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_evict_llama()
 
 
 def test_gate_on_tiny_model_decides_and_exposes_drop():

@@ -22,3 +22,12 @@ def tiny_llama(seed=0, layers=2, attn="sdpa"):
 def tiny_ids(B=1, N=40, seed=1, vocab=128):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (B, N), generator=g)
+
+
+def tiny_evict_llama(hidden=64):
+    """3 layers, 4 query heads, 2 KV heads, default init, 2048 positions: the eviction tests' model."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg).eval()
