@@ -37,7 +37,7 @@ test: install proofs
 	$(PY) -m pytest -q -p no:cacheprovider conformance tests
 
 demo: install
-	$(PY) -m fast.cli demo
+	$(PY) -m fast.tools.cli demo
 
 # Regenerates results/*.json (CPU, tens of minutes), then the README tables.
 bench: install

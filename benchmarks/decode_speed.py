@@ -32,10 +32,10 @@ def main(argv=None):
     from transformers import DynamicCache
 
     from benchmarks.soundness import machine
-    from fast.cache import CertifiedCache
-    from fast.cli import load, passkey_prompt
-    from fast.meter import set_current
-    from fast.model import chat_ids
+    from fast.integrations.hf_cache import CertifiedCache
+    from fast.tools.cli import load, passkey_prompt
+    from fast.integrations.hf_meter import set_current
+    from fast.integrations.model import chat_ids
 
     model, tok = load()
     ids = chat_ids(tok, passkey_prompt(args.filler)[0])

@@ -53,8 +53,8 @@ def auc(pos, neg):
 
 def run_example(model, tok, ex, args, taus):
     from benchmarks.ruler import build, score
-    from fast.evictors import copy_prefill, decode, evict, make_evictor, prefill
-    from fast.page import head_agreement_drop
+    from fast.policies.evictors import copy_prefill, decode, evict, make_evictor, prefill
+    from fast.policies.page import head_agreement_drop
     ids, n = build(tok, ex, args.tokens)
     pre = prefill(model, ids, needs=ALL_NEEDS)
     L = len(pre.cache.layers)
@@ -154,10 +154,10 @@ method, N = sys.argv[1], int(sys.argv[2])
 H, Hkv, D, HID = 9, 3, 64, 576
 g = torch.Generator().manual_seed(0)
 if method == "snapkv":
-    from fast.evictors import _attention_rows, _gqa_mean
+    from fast.policies.evictors import _attention_rows, _gqa_mean
     q = torch.randn(1, H, N, D, generator=g); k = torch.randn(1, Hkv, N, D, generator=g)
 else:
-    from fast.evictors import rolling_zscore
+    from fast.policies.evictors import rolling_zscore
     h_in = torch.randn(1, N, HID, generator=g); h_out = torch.randn(1, N, HID, generator=g)
 import os, threading
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -220,8 +220,8 @@ def main(argv=None):
     args.evictors = args.evictors.split(",")
     torch.set_num_threads(1)
     from benchmarks.ruler import build, examples
-    from fast.model import load_smollm2
-    from fast.page import calibrate, prompt_drop
+    from fast.integrations.model import load_smollm2
+    from fast.policies.page import calibrate, prompt_drop
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
     model, tok = load_smollm2()

@@ -58,7 +58,7 @@ KINDS = tuple(QUESTIONS)
 
 def build_prompt(tok, kind, target, seed):
     """Chat-formatted token ids of about `target` tokens (one of KINDS)."""
-    from fast.model import chat_ids
+    from fast.integrations.model import chat_ids
     rng = random.Random(seed)
     units = [_unit(kind, rng, i) for i in range(target // 4)]
     if kind == "passkey":
@@ -73,8 +73,8 @@ def build_prompt(tok, kind, target, seed):
 
 
 def run_scheme(model, dyn, first, scheme, steps, args, gate="none", offload="full"):
-    from fast.cache import CertifiedCache
-    from fast.meter import set_current
+    from fast.integrations.hf_cache import CertifiedCache
+    from fast.integrations.hf_meter import set_current
     set_current(None)
     cache = CertifiedCache(model.config, scheme, sinks=args.sinks, window=args.window, shadow=True,
                            seed=args.seed, delta_req=args.delta_req, gate=gate, offload=offload)
@@ -174,7 +174,7 @@ def main(argv=None):
     ap.add_argument("--gating-schemes", default="fp8_e5m2,int4")
     ap.add_argument("--tau", type=float, default=0.2)
     args = ap.parse_args(argv)
-    from fast.cli import load
+    from fast.tools.cli import load
     from transformers import DynamicCache
 
     t0 = time.time()

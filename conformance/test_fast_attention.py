@@ -5,7 +5,7 @@ Differential: every certificate form >= reference.softmax.tv_bound_forms(p~, c),
 exact (60-digit) softmax of s<q, k~> over the valid tokens and c from
 reference.band.logit_error_bound (0 on exact tokens); and not loose beyond the fp32 logit
 rounding the kernel pays for: fast <= ref (1 + 1e-4) + 1e-6 + 4 e (1 + A^2), e the bound of
-fast.attention.logit_rounding. Property: the true TV between the exact attention (exact keys)
+fast.core.certify.logit_rounding. Property: the true TV between the exact attention (exact keys)
 and p~ is <= the reported min. Shrunk failures: corpus_fast/test_fast_attention.json.
 """
 
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from mpmath import exp, fsum, mpf, workdps
 
 import fast
-from fast.attention import logit_rounding, max_abs
+from fast.core.attention import logit_rounding, max_abs
 from reference import band as ref_band
 from reference import softmax as ref
 from conformance._check import replay
@@ -117,14 +117,14 @@ def check_certificate(case):
         want = ref.tv_bound_forms(p_tilde, c)
         e = mpf(float(e_all[b, h]))
         big_a = fsum(p * exp(cj) for p, cj in zip(p_tilde, c))
-        for name in fast.certify.FORMS:
+        for name in fast.core.certify.FORMS:
             f = mpf(float(cert[name][b, h]))
             w = want[name]
             msg = f"{name} row ({b},{h}): fast {f} ref {w} e {e}; reproduce check_certificate({json.dumps(case)})"
             assert f >= w, "unsound " + msg
             # Documented saturation: a row whose max c exceeds SATURATE_C reports min = 1 and
             # A = inf (sound; exp(c) would overflow fp64). Only there is "loose" allowed.
-            saturated = float(cert["max_c"][b, h]) > fast.certify.SATURATE_C
+            saturated = float(cert["max_c"][b, h]) > fast.core.certify.SATURATE_C
             if w < 1e30 and not saturated:
                 assert f <= w * (1 + mpf("1e-4")) + mpf("1e-6") + 4 * e * (1 + big_a ** 2) * exp(4 * e), "loose " + msg
         if exact is None:  # without exact tokens, the cached keys differ from k everywhere: check against truth

@@ -43,7 +43,7 @@ def check_forms(case, rows=None):
     got = fast.tv_bound_forms(p, c)
     for r in range(case["rows"]) if rows is None else rows:
         want = ref.tv_bound_forms([float(v) for v in p[0, r].double()], [float(v) for v in c[0, r].double()])
-        for name in fast.certify.FORMS:
+        for name in fast.core.certify.FORMS:
             f = mpf(float(got[name][0, r]))
             w = want[name]
             msg = f"{name}: fast {f} vs reference {w}; reproduce: check_forms({json.dumps(case)})"
@@ -86,7 +86,7 @@ def test_forms_two_point_tight():
 def check_forms_values(p, c):
     got = fast.tv_bound_forms(torch.tensor([[p]], dtype=torch.float64), torch.tensor([[c]], dtype=torch.float64))
     want = ref.tv_bound_forms(p, c)
-    for name in fast.certify.FORMS:
+    for name in fast.core.certify.FORMS:
         f = mpf(float(got[name][0, 0]))
         assert want[name] <= f <= want[name] * (1 + mpf("1e-4")) + mpf("1e-6"), (name, p, c, f, want[name])
 

@@ -69,7 +69,7 @@ def test_budget_local_le_reference(delta_req, L, H, t):
 
 def test_dithered_cache_failure_rate_below_budget():
     """Property (end to end, fixed seeds): quantize keys with int8_dither (the hash dither of
-    fast.quant), and count tokens whose logit error exceeds the one-token radius (n = 1) at
+    fast.core.quant), and count tokens whose logit error exceeds the one-token radius (n = 1) at
     budget d = 0.2. T6 says P <= d for a query independent of the dither; the assertion
     allows 4 binomial standard errors. A dither that repeated across channels or tokens
     would overshoot by far (its errors add coherently)."""

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from mpmath import exp, fsum, log, mpf, workdps
 
 from conformance._check import DPS, expect, le, replay
-from fast.evict import build_group_witness, evict_bound, log_z_kept_lower
-from fast.rope import rope_bands
+from fast.core.evict import build_group_witness, evict_bound, log_z_kept_lower
+from fast.core.rope import rope_bands
 from reference.band import witness as ref_band_witness
 from reference.evict import evict_bound as ref_evict_bound
 from reference.evict import evict_tv
@@ -132,9 +132,9 @@ def check_composition(seed):
     TV(p, p~^K) <= compose_tv(evict_bound(L from x~ - c), tv_bound_forms(p~^K, c)), where the
     group witness is built from the served keys with their band witness rho. The truth is
     computed in fp64 (relative error ~1e-15; slack 1e-12)."""
-    from fast.certify import tv_bound_forms
-    from fast.evict import compose_tv
-    from fast.witness import logit_error_bound, witness
+    from fast.core.certify import tv_bound_forms
+    from fast.core.evict import compose_tv
+    from fast.core.witness import logit_error_bound, witness
     g = torch.Generator().manual_seed(seed)
     B, H, Hkv, N, D, n_keep = 2, 4, 2, 40, 16, 12
     bands = rope_bands(D, 4, "rotate_half")

@@ -1,4 +1,4 @@
-"""Codecs (fast.quant) against exact arithmetic: the step bound |x - x~| <= delta/2 that the
+"""Codecs (fast.core.quant) against exact arithmetic: the step bound |x - x~| <= delta/2 that the
 zero-memory witness rests on (math.md T4, last paragraph), no clipping, the derived witness
 dominating the reference witness of the actual error, and the append-only API.
 
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from mpmath import mpf
 
 import fast
-from fast.quant import FP8, QMAX
+from fast.core.quant import FP8, QMAX
 from reference import band as ref
 from conformance._check import replay
 

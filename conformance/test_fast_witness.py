@@ -1,4 +1,4 @@
-"""Differential: fast.witness and fast.logit_error_bound against reference.band (spec T4).
+"""Differential: fast.core.witness and fast.logit_error_bound against reference.band (spec T4).
 
 fast >= reference (the reference returns the upper end of a 60-digit interval enclosure)
 and fast <= reference (1 + 1e-4) + 1e-6, over D in {32, 64, 128}, NB in {1, 2, 4, 8},
@@ -91,7 +91,7 @@ def check_logit_error_bound(case):
 @replay("test_witness_ge_reference")
 @given(case=CASE)
 def test_witness_ge_reference(case):
-    """Differential: fast.witness >= reference.band.witness, within 1e-4 relative."""
+    """Differential: fast.core.witness >= reference.band.witness, within 1e-4 relative."""
     check_witness(case)
 
 

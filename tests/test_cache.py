@@ -4,9 +4,9 @@ mode, generate (greedy, sampling, left-padded batches), eviction hook, scheme re
 import pytest
 import torch
 
-from fast.cache import CertifiedCache
-from fast.meter import enable
-from fast.schemes import CODECS, SchemeError, get_scheme, register_scheme, unregister_scheme
+from fast.integrations.hf_cache import CertifiedCache
+from fast.integrations.hf_meter import enable
+from fast.core.schemes import CODECS, SchemeError, get_scheme, register_scheme, unregister_scheme
 from tests.tiny_model import tiny_ids, tiny_llama
 
 SCHEMES = CODECS + ("kivi2",)
@@ -209,10 +209,10 @@ def test_registered_scheme_is_certified(model):
 
 
 def test_cli_decode_with_evictor(model):
-    """The integration point for fast.evictors: evict after the prefill, then certified decoding."""
+    """The integration point for fast.policies.evictors: evict after the prefill, then certified decoding."""
     from types import SimpleNamespace
-    from fast.cli import decode_evicting
-    from fast.evictors import make_evictor
+    from fast.tools.cli import decode_evicting
+    from fast.policies.evictors import make_evictor
     cache = CertifiedCache(model.config, "int8", sinks=4, window=8, shadow=True)
     ids = tiny_ids(1, 150, seed=5)[0].tolist()
     args = SimpleNamespace(max_new_tokens=5, evict_group_size=32, shadow=True, evict="snapkv:64", scheme="int8")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fast.cli import main
+from fast.tools.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -70,8 +70,8 @@ def test_missing_model_package(prompt, capsys, monkeypatch):
 
 
 def test_module_entry_point_errors_without_traceback(prompt):
-    """`python -m fast.cli` (what `make demo` and the `kvcert` script run) exits 2 with one line."""
-    r = subprocess.run([sys.executable, "-m", "fast.cli", "run", "--scheme", "nope", "--prompt-file", str(prompt)],
+    """`python -m fast.tools.cli` (what `make demo` and the `kvcert` script run) exits 2 with one line."""
+    r = subprocess.run([sys.executable, "-m", "fast.tools.cli", "run", "--scheme", "nope", "--prompt-file", str(prompt)],
                        capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and "unknown scheme" in r.stderr and "Traceback" not in r.stderr

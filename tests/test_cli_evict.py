@@ -9,10 +9,10 @@ import pytest
 import torch
 from tests.tiny_model import tiny_evict_llama
 
-from fast import trace as T
-from fast.cli import main, passkey_prompt, run_one
-from fast.evict import compose_tv
-from fast.meter import enable
+from fast.tools import trace as T
+from fast.tools.cli import main, passkey_prompt, run_one
+from fast.core.evict import compose_tv
+from fast.integrations.hf_meter import enable
 
 
 def one_line_error(capsys, argv, prefix="kvcert: error:"):

@@ -9,9 +9,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks.ruler import build, make_example
-from fast.evict import witness_cost
-from fast.evictors import EVICTORS, generate, make_evictor
-from fast.page import Page
+from fast.core.evict import witness_cost
+from fast.policies.evictors import EVICTORS, generate, make_evictor
+from fast.policies.page import Page
 from tests.tiny_model import tiny_evict_llama
 
 
@@ -43,7 +43,7 @@ def test_shadow_bound_ge_true_mass_tiny(name):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from fast.model import load_smollm2
+    from fast.integrations.model import load_smollm2
     return load_smollm2()
 
 
@@ -72,7 +72,7 @@ def test_eviction_composes_with_certified_cache():
     """property: eviction on kvcert's quantized CertifiedCache (int8) shrinks its storage to the
     budget and the certificate (Z_K lowered by the quantization witness, T7d) is traced at
     every step and layer."""
-    from fast.cache import CertifiedCache
+    from fast.integrations.hf_cache import CertifiedCache
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fast.evictors import (EVICTORS, EpiKV, evict, generate, keep_count, make_evictor,
+from fast.policies.evictors import (EVICTORS, EpiKV, evict, generate, keep_count, make_evictor,
                            prefill, rolling_zscore, select)
 
 VOCAB, N = 128, 160
@@ -144,7 +144,7 @@ def test_padding_does_not_change_a_row(model):
 
 def test_context_manager_with_generate(model):
     """property: `with evictor(model): model.generate(...)` shrinks the cache after the prefill
-    and decodes; a padded batch is refused (it needs fast.evictors.generate)."""
+    and decodes; a padded batch is refused (it needs fast.policies.evictors.generate)."""
     ids, mask = batch()
     ev = make_evictor("snapkv:64")
     with ev(model) as records:

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from fast.cache import CertifiedCache, Gate, parse_gate
-from fast.meter import enable
+from fast.integrations.hf_cache import CertifiedCache, Gate, parse_gate
+from fast.integrations.hf_meter import enable
 from tests.tiny_model import tiny_ids, tiny_llama
 
 

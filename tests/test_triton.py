@@ -34,7 +34,7 @@ if CHILD:
     from mpmath import mpf
 
     import fast
-    import fast.triton_kernels as tk
+    import fast.core.triton_kernels as tk
     from reference import band as ref_band
     from reference import softmax as ref
 
@@ -127,9 +127,9 @@ if CHILD:
         # different summation order (online blocks vs one matmul) in fp32: a few ulps of the output scale
         torch.testing.assert_close(o1, o2, rtol=1e-5, atol=1e-5, msg=lambda m: f"{m}\ncase {case}")
         # Each side certifies its own fp32 logits, which differ by the summation order: by at most
-        # 2e (fast.attention.logit_rounding), so A, B move by a factor within e^{+-4e}, A^2 by e^{+-8e}.
-        kmax = fast.attention.max_abs(kc if isinstance(kc, fast.QTensor) else kc.float())
-        e = float(fast.attention.logit_rounding(q, kmax, s).max())
+        # 2e (fast.core.certify.logit_rounding), so A, B move by a factor within e^{+-4e}, A^2 by e^{+-8e}.
+        kmax = fast.core.quant.max_abs(kc if isinstance(kc, fast.QTensor) else kc.float())
+        e = float(fast.core.certify.logit_rounding(q, kmax, s).max())
         for name in c2:
             torch.testing.assert_close(c1[name], c2[name], rtol=1e-6 + 16 * e, atol=1e-12, msg=lambda m: f"{name}: {m}\ncase {case}")
 
@@ -145,7 +145,7 @@ if CHILD:
         logits = [0.25 * sum(mpf(float(a)) * mpf(float(b)) for a, b in zip(q[0, 1].double(), kd[0, 0, j].double())) for j in range(24)]
         c = ref_band.logit_error_bound([float(v) for v in q[0, 1].double()], [[float(v) for v in rho[0, 0, j].double()] for j in range(24)], bands.tolist(), 0.25)
         want = ref.tv_bound_forms(ref.softmax(logits), c)
-        for name in fast.certify.FORMS:
+        for name in fast.core.certify.FORMS:
             assert mpf(float(cert[name][0, 1])) >= want[name], name
 
     @pytest.mark.parametrize("where", ["q", "k", "v"])

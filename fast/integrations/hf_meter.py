@@ -1,7 +1,7 @@
 """The meter: an attention function ("kvcert") that serves attention from a CertifiedCache and
 certifies every decode read in the same pass (fast.decode_attention).
 
-    fast.meter.enable(model)               # model.set_attn_implementation("kvcert")
+    fast.integrations.hf_meter.enable(model)               # model.set_attn_implementation("kvcert")
     model.generate(ids, past_key_values=CertifiedCache(model.config, "int8"))
 
 Any call that does not come from a CertifiedCache layer (a plain DynamicCache, no cache) is
@@ -13,9 +13,9 @@ int8_dither, the gate, and in shadow mode the true TV, appended to cache.records
 import torch
 from transformers import AttentionInterface
 
-from fast.attention import decode_attention
-from fast.certify import tv_bound_forms
-from fast.dither import budget_local, dither_radius
+from fast.core.attention import decode_attention
+from fast.core.certify import tv_bound_forms
+from fast.core.dither import budget_local, dither_radius
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 

@@ -3,7 +3,7 @@
 
     add_run_arguments(parser)            # adds --evict, --page, --evict-group-size (skips flags already there)
     evictor, page = from_args(args)      # (None, None) without --evict
-    out = fast.evictors.generate(model, ids, evictor=evictor, page=page, cache=cache, max_new_tokens=...)
+    out = fast.policies.evictors.generate(model, ids, evictor=evictor, page=page, cache=cache, max_new_tokens=...)
     meta["eviction"] = trace_summary(out)
     sys.exit(calibrate_page_main(argv))  # kvcert calibrate-page --budget 256 --out page.json
 """
@@ -33,8 +33,8 @@ def add_run_arguments(parser):
 
 def from_args(args):
     """(evictor or None, Page or None); ValueError with a one-line message on bad input."""
-    from fast.evictors import make_evictor
-    from fast.page import Page
+    from fast.policies.evictors import make_evictor
+    from fast.policies.page import Page
     if not getattr(args, "evict", None):
         if getattr(args, "page", None) is not None:
             raise ValueError("--page gates an evictor: give --evict too")
@@ -57,7 +57,7 @@ def from_args(args):
 
 
 def trace_summary(out):
-    """JSON-able summary of fast.evictors.generate's result for the run trace."""
+    """JSON-able summary of fast.policies.evictors.generate's result for the run trace."""
     ev = out["eviction"]
     if ev is None:
         return None
@@ -80,7 +80,7 @@ def _prompts(args, tok):
     """Unlabelled prompts: lines of --prompts, else RULER-style haystacks (fixed seeds, no answers used)."""
     import torch
     if args.prompts:
-        from fast.model import chat_ids
+        from fast.integrations.model import chat_ids
         lines = [ln for ln in Path(args.prompts).read_text().splitlines() if ln.strip()]
         return [torch.tensor([chat_ids(tok, ln)]) for ln in lines]
     try:
@@ -101,9 +101,9 @@ def calibrate_page_main(argv=None):
     ap.add_argument("--evict-rate", type=float, default=0.5, help="share of typical prompts the gate lets evict")
     ap.add_argument("--out", default="page.json")
     args = ap.parse_args(argv)
-    from fast.evictors import keep_count
-    from fast.model import ModelMissing, load_smollm2
-    from fast.page import calibrate_model
+    from fast.policies.evictors import keep_count
+    from fast.integrations.model import ModelMissing, load_smollm2
+    from fast.policies.page import calibrate_model
     try:
         budget = float(args.budget) if "." in args.budget else int(args.budget)
         keep_count(budget, 10 ** 9)

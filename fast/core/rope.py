@@ -8,7 +8,7 @@ Contiguous chunks of coordinates are NOT bands under rotate_half (math.md, Bands
 
 import torch
 
-from fast import _checks
+from fast.core import _checks
 
 LAYOUTS = ("rotate_half", "interleaved")
 

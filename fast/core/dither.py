@@ -3,7 +3,7 @@
 Caveat (spec A2): the radius holds for queries that do not depend on the dither
 (non-adaptive); the deterministic witness tier (T4) has no such caveat.
 Floating point: fp64, inputs fp32/fp16/bf16 (squares exact, no underflow), margins as in
-fast.witness; results rounded UP to fp32 (radii) or DOWN (budgets).
+fast.core.witness; results rounded UP to fp32 (radii) or DOWN (budgets).
 """
 
 import math
@@ -11,9 +11,9 @@ from fractions import Fraction
 
 import torch
 
-from fast import _checks
-from fast.certify import gamma, up32, up64
-from fast.witness import IN_DTYPES, _check_scale
+from fast.core import _checks
+from fast.core.certify import gamma, up32, up64
+from fast.core.witness import IN_DTYPES, _check_scale
 
 
 def _sigma64(q, delta, s):

@@ -7,7 +7,7 @@ rounded UP to fp32. Why fp64: with fp32 terms summed in fp32 the rigorous margin
 (N u, u = 2^-24) reaches ~2.4e-4 at N = 4096, far above the 1e-6 slack a useful bound may
 add to 1 - B/A; in fp64 (u64 = 2^-53) the same margin is ~5e-13.
 
-forms_from_pmz (the decode certificate of fast.attention): the per-token terms are fp32
+forms_from_pmz (the decode certificate of fast.core.attention): the per-token terms are fp32
 (they reuse the softmax's fp32 weights), the sums fp64 (torch.sum(..., dtype=float64)
 accumulates in fp64), and the quantities are chosen so that nothing cancels:
 Z, P = sum w expm1(c), M = sum w (1 - e^-c), 1 - B/A = (P + M)/(Z + P). Every error is then
@@ -39,7 +39,7 @@ import math
 import numpy as np
 import torch
 
-from fast import _checks
+from fast.core import _checks
 
 U32 = 2.0 ** -24
 U64 = 2.0 ** -53
@@ -179,18 +179,18 @@ def _down(x):
 
 
 def forms_from_pmz(sums, cmax, e, n, d_head, dtype):
-    """The decode certificate (fast.attention) from the weighted sums of one step.
+    """The decode certificate (fast.core.attention) from the weighted sums of one step.
 
     sums: fp64 [3, B, H], the computed Z = sum w_j, P = sum w_j expm1(c_j), M = sum w_j (1 - e^-c_j)
-    (fast.attention.weighted_sums), each term formed in `dtype` (fp32 or fp64) and summed in fp64,
+    (fast.core.attention.weighted_sums), each term formed in `dtype` (fp32 or fp64) and summed in fp64,
     w_j = fl(exp(fl(x_j - m))) the softmax weights of the fp32 logits x (0 at padding), c_j the
     witness bounds in dtype (c_j + 2^-150 >= the exact bound); cmax [B, H] >= max_j c_j; e [B, H]
-    fp64 numpy, the logit rounding bound (fast.attention.logit_rounding); n tokens, d_head = D.
+    fp64 numpy, the logit rounding bound (fast.core.certify.logit_rounding); n tokens, d_head = D.
     Returns the fp32 dict (A up, B down, max_c, tanh, one_minus_b_over_a, e_form, min), or None
     when dtype is fp32 and a row has max c_eff > CMAX32 (the caller redoes it in fp64); fp64
     rows with max c_eff > SATURATE_C report the saturated certificate (A = inf, min = 1).
 
-    Exact targets, with c_eff = c + 2e (fast.attention) and w_j = e^{x_j - m} exactly:
+    Exact targets, with c_eff = c + 2e (fast.core.attention) and w_j = e^{x_j - m} exactly:
     Z, P_eff = sum w expm1(c_eff), M_eff = sum w (1 - e^-c_eff); A = 1 + P_eff/Z,
     B = 1 - M_eff/Z, 1 - B/A = (P_eff + M_eff)/(Z + P_eff), e_form = (A^2 - 1)/2 = (P/Z)(1 + P/(2Z)):
     sums of nonnegative terms, no cancellation. With d >= 2e + 2^-149 (so c_eff <= c + d),
@@ -256,3 +256,48 @@ def forms_from_pmz(sums, cmax, e, n, d_head, dtype):
     out32 = np.where(out32 < out, np.nextafter(out32, np.float32(np.inf)), out32)  # rounded up to fp32
     out32[1] = -out32[1]  # B rounded down
     return dict(zip(CERT_KEYS, torch.from_numpy(out32).to(sums.device).unbind(0)))
+
+
+def band_norms_up(x64, bands):
+    """Upper bounds of ||x_b|| for x64: [..., D] fp64 holding values that were fp32 (or
+    differences of two fp32 values). Returns [..., NB] fp64.
+
+    Error: x itself may carry one rounding (a difference, relative u64), its square one
+    more and 2 u64 from the inexact x, the W-term sum gamma_{W-1}, sqrt halves the relative
+    error and adds u64: in all <= gamma_{W+4}; the margin 2 gamma_{W+4} covers second-order terms.
+    """
+    xb = x64[..., bands]  # [..., NB, W]
+    W = bands.shape[1]
+    norms = torch.sqrt((xb * xb).sum(-1))
+    return up64(norms * (1 + 2 * gamma(W + 4)))
+
+
+def logit_rounding(q, kmax, s):
+    """e [B, H] fp64 >= |x^_j - s <q, k~_j>| for the fp32 logits x^ (module doc), with
+    sum_i |q_i| |k~_ji| <= sum_i |q_i| kmax_i (kmax: [B, Hkv, D] per-channel bound)."""
+    e = logit_rounding_np(q.to(torch.float64).cpu().numpy(), kmax.cpu().numpy(), s)
+    return torch.from_numpy(e).to(q.device)
+
+
+def logit_rounding_np(q64, kmax, s):
+    """logit_rounding on numpy fp64 arrays q64 [B, H, D], kmax [B, Hkv, D] (small: numpy is
+    cheaper per op than torch). The fp64 sum and the product with s may round down by
+    O(D u64) relative: far inside the 1.01 of the formula; the last product is rounded up."""
+    B, H, D = q64.shape
+    Hkv = kmax.shape[1]
+    qk = np.matmul(np.abs(q64).reshape(B, Hkv, H // Hkv, D), kmax[..., None])  # [B, Hkv, G, 1]
+    return _up(s * qk.reshape(B, H) * ((D + 4) * U32 * 1.01))
+
+
+def forms_with_margin(a, b, z, cmax, margin):
+    """Forms from computed sums a ~ A', b ~ B', z ~ Z (fp64, [B, H]) and their relative error
+    bound `margin`. A row with max c > SATURATE_C (logit errors of hundreds: tanh(c/2) = 1
+    already) or a margin that is not small reports the saturated certificate:
+    A' = inf, B' = 0 (so 1 - B/A = 1, e_form = inf, min = 1)."""
+    wild = (margin > 1e-3) | (cmax > SATURATE_C)
+    zero = torch.zeros_like(b)
+    a_up = torch.where(wild, torch.full_like(a, torch.inf), up64(a * (1 + margin)))
+    b_down = torch.where(wild, zero, torch.nextafter(b * (1 - margin), zero))
+    z_down = torch.where(wild, torch.ones_like(z), torch.nextafter(z * (1 - margin), zero))  # Z >= 1: the argmax term
+    z_up = torch.where(wild, torch.full_like(z, torch.inf), up64(z * (1 + margin)))
+    return forms_from_sums(a_up, b_down, z_down, z_up, cmax)

@@ -17,8 +17,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from fast import _checks
-from fast.certify import up32
+from fast.core import _checks
+from fast.core.certify import up32
 
 SCHEMES = ("int8", "int8_dither", "int4", "fp8_e4m3", "fp8_e5m2")
 # Largest code magnitude used: |x / delta| <= QMAX (dither: QMAX + 1/2 = 127 stays in range).
@@ -209,3 +209,10 @@ def dequantize(qt):
         m = m - dither_noise(qt.seed, qt.layer, Hkv, qt.token_start, N, D, qt.codes.device)  # exact (24 bits)
     ng = qt.scales.shape[-1]
     return (m.view(B, Hkv, N, ng, D // ng) * qt.scales.to(torch.float32).unsqueeze(-1)).view(B, Hkv, N, D)
+
+
+def max_abs(k):
+    """[B, Hkv, D] fp64 >= max over tokens of |k~| per channel (from the scales for a QTensor)."""
+    if isinstance(k, QTensor):
+        return k.max_abs()
+    return k.abs().amax(dim=-2).to(torch.float64)

@@ -8,28 +8,14 @@ nor overflow there, so the only errors are relative ones with the Higham bounds 
 
 import torch
 
-from fast import _checks
-from fast.certify import U64, gamma, up32, up64
+from fast.core import _checks
+from fast.core.certify import U64, band_norms_up, gamma, up32, up64
 
 IN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # The uint8 log code: code 0 is exactly 0, code i >= 1 is 2^((i - LOG_ZERO) / LOG_STEPS)
 # rounded up to fp32: 8 codes per octave (at most 9% above the true value), from ~1e-6 to ~3.8e3.
 LOG_STEPS = 8
 LOG_ZERO = 160
-
-
-def band_norms_up(x64, bands):
-    """Upper bounds of ||x_b|| for x64: [..., D] fp64 holding values that were fp32 (or
-    differences of two fp32 values). Returns [..., NB] fp64.
-
-    Error: x itself may carry one rounding (a difference, relative u64), its square one
-    more and 2 u64 from the inexact x, the W-term sum gamma_{W-1}, sqrt halves the relative
-    error and adds u64: in all <= gamma_{W+4}; the margin 2 gamma_{W+4} covers second-order terms.
-    """
-    xb = x64[..., bands]  # [..., NB, W]
-    W = bands.shape[1]
-    norms = torch.sqrt((xb * xb).sum(-1))
-    return up64(norms * (1 + 2 * gamma(W + 4)))
 
 
 def _use_triton(backend, x):
@@ -52,7 +38,7 @@ def witness(k, k_hat, bands, *, backend="auto"):
     _checks.finite("k", k)
     _checks.finite("k_hat", k_hat)
     if _use_triton(backend, k):
-        from fast import triton_kernels
+        from fast.core import triton_kernels
         return triton_kernels.witness(k, k_hat, bands)
     r = k.to(torch.float64) - k_hat.to(torch.float64)
     return up32(band_norms_up(r, bands))
@@ -77,7 +63,7 @@ def witness_from_scales(qt, bands):
     Error (fp64): delta^2 exact (11-bit scale times 11-bit margin: 22 bits, squared 44), the
     (D/G)-term sum gamma_{D/G}, sqrt: margin 2 gamma_{D/G + 4}. Returns [B, Hkv, N, NB] fp32, rounded up.
     """
-    from fast.quant import QMAX, STEP_MARGIN
+    from fast.core.quant import QMAX, STEP_MARGIN
     if qt.scheme not in QMAX:
         raise ValueError(f"witness_from_scales: {qt.scheme} has no per-group uniform step (use witness_from_step)")
     D = qt.shape[-1]
@@ -150,7 +136,7 @@ def logit_error_bound(q, rho, bands, scale, *, backend="auto"):
     _checks.finite("q", q)
     _checks.nonneg_finite("rho", rho)
     if _use_triton(backend, q):
-        from fast import triton_kernels
+        from fast.core import triton_kernels
         return triton_kernels.logit_error_bound(q, rho, bands, s)
     return up32(logit_error_bound64(q, rho, bands, s))
 

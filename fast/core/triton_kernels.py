@@ -2,9 +2,9 @@
 
 Each kernel `_x_kernel` has a launcher `x(...)` that checks shapes, dtypes and contiguity,
 allocates the outputs and launches. The launchers are called by the public functions of
-fast.witness and fast.attention after those validated the inputs (backend="triton", or
+fast.core.witness and fast.core.attention after those validated the inputs (backend="triton", or
 "auto" on CUDA). Rounding follows the twins exactly (fp64 for every bound, module docs
-of fast.certify / fast.witness / fast.attention); the final one-ulp-outward moves and the
+of fast.core.certify / fast.core.witness / fast.core.attention); the final one-ulp-outward moves and the
 casts to fp32 run in torch on the kernel's fp64 outputs.
 
 On CPU the kernels run under TRITON_INTERPRET=1 (tests/test_triton.py). The interpreter has
@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from fast.certify import EXP_EPS, U64, gamma, to_fp32, up32, up64
-from fast.quant import QTensor, dequantize
+from fast.core.certify import EXP_EPS, SATURATE_C, U64, band_norms_up, forms_with_margin, gamma, logit_rounding, to_fp32, up32, up64
+from fast.core.quant import QTensor, dequantize, max_abs
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MODES = {"float": 0, "int8": 1, "int8_dither": 2}
@@ -37,7 +37,7 @@ def _exp64(x, LIBDEVICE: tl.constexpr):
 
 @triton.jit
 def _mix(x):
-    """fast.quant._mix on int64 values in [0, 2^32): every product stays below 2^63."""
+    """fast.core.quant._mix on int64 values in [0, 2^32): every product stays below 2^63."""
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & 0xFFFFFFFF
     x = x ^ (x >> 15)
@@ -47,7 +47,7 @@ def _mix(x):
 
 @triton.jit
 def _dither(seed, layer, head, token, channel):
-    """u in (-1/2, 1/2), bit-identical to fast.quant.dither_noise. token: [BLOCK_N, 1], channel: [1, D]."""
+    """u in (-1/2, 1/2), bit-identical to fast.core.quant.dither_noise. token: [BLOCK_N, 1], channel: [1, D]."""
     h = _mix(seed.to(tl.int64) & 0xFFFFFFFF)
     h = _mix(h ^ (layer.to(tl.int64) & 0xFFFFFFFF))
     h = _mix(h ^ (head.to(tl.int64) & 0xFFFFFFFF))
@@ -70,7 +70,7 @@ def _dither_kernel(out_ptr, seed, layer, token_start, N, D: tl.constexpr, BLOCK_
 
 
 def dither_noise(seed, layer, Hkv, token_start, N, D, device="cpu"):
-    """Triton twin of fast.quant.dither_noise: [Hkv, N, D] fp32."""
+    """Triton twin of fast.core.quant.dither_noise: [Hkv, N, D] fp32."""
     _pow2("D", D)
     out = torch.empty(Hkv, N, D, dtype=torch.float32, device=device)
     BLOCK_N = 16
@@ -98,7 +98,7 @@ def _witness_kernel(k_ptr, kh_ptr, bands_ptr, margin_ptr, out_ptr, n_rows,
 
 
 def witness(k, k_hat, bands):
-    """Triton twin of fast.witness.witness (inputs already validated): rho [B, Hkv, N, NB] fp32."""
+    """Triton twin of fast.core.witness.witness (inputs already validated): rho [B, Hkv, N, NB] fp32."""
     B, Hkv, N, D = k.shape
     NB, W = bands.shape
     _pow2("band width D/NB", W)
@@ -136,12 +136,11 @@ def _logit_error_bound_kernel(qn_ptr, rho_ptr, params_ptr, out_ptr, N,
 
 
 def logit_error_bound(q, rho, bands, s):
-    """Triton twin of fast.witness.logit_error_bound (validated inputs): c [B, H, N] fp32."""
+    """Triton twin of fast.core.witness.logit_error_bound (validated inputs): c [B, H, N] fp32."""
     return up32(logit_error_bound64(q, rho, bands, s))
 
 
 def logit_error_bound64(q, rho, bands, s):
-    from fast.witness import band_norms_up
     B, H, D = q.shape
     Hkv, N, NB = rho.shape[1:]
     if rho.stride(-1) != 1:
@@ -278,9 +277,7 @@ def _cache_args(t):
 
 
 def decode_attention(q, k, v, rho, s, bands, valid, exact, certify=True):
-    """Triton twin of fast.attention.attention_torch (inputs validated by decode_attention)."""
-    from fast.attention import SATURATE_C, logit_rounding, max_abs
-    from fast.witness import band_norms_up
+    """Triton twin of fast.core.attention.attention_torch (inputs validated by decode_attention)."""
     B, H, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
     NB = bands.shape[0]
@@ -322,7 +319,6 @@ def certificate_from_sums(sums, N, BLOCK_N):
     """Forms from the kernel's fp64 running sums, with the twin's margins plus the rescaling:
     each rescale by exp(m_old - m_new) adds EXP_EPS + u64 (|m_new - m_old| + 1) relative
     error to the terms before it: in all n_blocks (EXP_EPS + u64) + u64 drift."""
-    from fast.attention import forms_with_margin
     z, a, b, cmax, drift = (sums[..., i] for i in range(5))
     blocks = -(-N // BLOCK_N)
     margin = 2 * (EXP_EPS + U64 * (2 * cmax + 1600) + gamma(N + 1) + blocks * (EXP_EPS + U64) + U64 * drift)

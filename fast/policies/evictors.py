@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fast.evict import build_group_witness, evict_log_odds, evicted_mass, log_z_kept_lower, tv_from_log_odds
+from fast.core.evict import build_group_witness, evict_log_odds, evicted_mass, log_z_kept_lower, tv_from_log_odds
 
 OBS = 64        # SnapKV observation window (queries)
 KERNEL = 5      # SnapKV pooling kernel
@@ -452,7 +452,7 @@ class Eviction:
 
 def _witness_of_evicted(k, rho, valid, idx, num_bands, group_size):
     """Group witness of the real tokens of k [B, Hkv, N, D] not in idx [B, Hkv, K] (None if none)."""
-    from fast.rope import rope_bands
+    from fast.core.rope import rope_bands
     B, Hkv, N, D = k.shape
     gone = valid[:, None, :].expand(B, Hkv, N).clone()
     gone.scatter_(2, idx, False)                               # evicted = real and not kept
@@ -529,7 +529,7 @@ class Certifier:
         with torch.no_grad():
             c = None
             if self.cache is not None and hasattr(self.cache.layers[layer], "witness_view"):
-                from fast.witness import logit_error_bound
+                from fast.core.witness import logit_error_bound
                 rho, _ = self.cache.layers[layer].witness_view()      # kept keys are quantized: T7d
                 c = logit_error_bound(q, rho, self.cache.bands, scale)
             lz = log_z_kept_lower(q, key, scale, valid=self.valid_now, c=c)
@@ -678,7 +678,7 @@ def evicting(model, evictor, *, page=None, group_size=32):
             return
         mask = kwargs.get("attention_mask")
         if mask is not None and not bool(mask.bool().all()):
-            raise ValueError("padding inside `with evictor(model)`: use fast.evictors.generate for padded batches")
+            raise ValueError("padding inside `with evictor(model)`: use fast.policies.evictors.generate for padded batches")
         cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None) or kwargs.get("cache")
         valid = torch.ones(ids.shape, dtype=torch.bool)
         records.append(evict(Prefill(out.logits[:, -1], cache, valid, dict(col.layers)), evictor, page=page,

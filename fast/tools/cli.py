@@ -4,7 +4,7 @@
     kvcert run --scheme int8 --evict snapkv:256 --page page.json --prompt-file F   # eviction certificate (T7)
     kvcert report DIR
     kvcert demo
-    kvcert calibrate-page --budget 256 --out page.json                              # PAGE tau (fast.evict_cli)
+    kvcert calibrate-page --budget 256 --out page.json                              # PAGE tau (fast.tools.evict_cli)
 
 Bad input (unknown scheme, gate or evictor, malformed TAU or budget, a prompt longer than
 the model's context, a missing model package) prints one line and exits with status 2.
@@ -46,8 +46,8 @@ def passkey_prompt(n_filler=40, key=None, depth=0.4, seed=0):
 # ---- generation ----
 
 def new_cache(model, args):
-    from fast.cache import CertifiedCache
-    from fast.meter import set_current
+    from fast.integrations.hf_cache import CertifiedCache
+    from fast.integrations.hf_meter import set_current
     set_current(None)
     return CertifiedCache(model.config, args.scheme, gate=args.gate, sinks=args.sinks, window=args.window,
                           shadow=args.shadow, seed=args.seed, delta_req=args.delta_req, offload=args.offload,
@@ -109,13 +109,13 @@ def decode(model, ids, cache, max_new, *, eos=None, progress=True, desc="", shar
 
 
 def decode_evicting(model, ids, cache, args, evict, page, *, eos=None, progress=True, desc=""):
-    """Greedy decoding with eviction after the prefill (fast.evictors.generate: new tokens keep
+    """Greedy decoding with eviction after the prefill (fast.policies.evictors.generate: new tokens keep
     the RoPE positions N + t, the mask follows the kept layout, the eviction certificate of every
     decode step is in out["trace"]). Returns (new token ids, generate's dict)."""
     import torch
     from tqdm import tqdm
-    from fast.evictors import generate
-    from fast.schemes import SchemeError
+    from fast.policies.evictors import generate
+    from fast.core.schemes import SchemeError
     L = model.config.num_hidden_layers
     pbar = tqdm(total=L, desc=f"{desc}prefill", unit="layer", disable=not progress, leave=False)
     dbar = tqdm(total=args.max_new_tokens, desc=f"{desc}decode", unit="tok", disable=not progress, leave=False)
@@ -140,8 +140,8 @@ def decode_evicting(model, ids, cache, args, evict, page, *, eos=None, progress=
 
 
 def load(args_progress=True):
-    from fast.meter import enable
-    from fast.model import load_smollm2
+    from fast.integrations.hf_meter import enable
+    from fast.integrations.model import load_smollm2
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -151,8 +151,8 @@ def load(args_progress=True):
 
 def check_args(args):
     """Validate scheme, gate and options before loading anything (one-line errors)."""
-    from fast.cache import parse_gate
-    from fast.schemes import SchemeError, get_scheme
+    from fast.integrations.hf_cache import parse_gate
+    from fast.core.schemes import SchemeError, get_scheme
     try:
         get_scheme(args.scheme)
         parse_gate(args.gate)
@@ -164,7 +164,7 @@ def check_args(args):
         raise UsageError("--max-new-tokens must be >= 1")
     if getattr(args, "evict_group_size", 1) < 1:
         raise UsageError("--evict-group-size must be >= 1")
-    from fast.evict_cli import from_args
+    from fast.tools.evict_cli import from_args
     try:
         evict, page = from_args(args)
     except ValueError as e:
@@ -177,7 +177,7 @@ def check_args(args):
 
 
 def prompt_ids(tok, model, text, max_new):
-    from fast.model import chat_ids
+    from fast.integrations.model import chat_ids
     ids = chat_ids(tok, text)
     limit = model.config.max_position_embeddings
     if len(ids) + max_new > limit:
@@ -187,9 +187,9 @@ def prompt_ids(tok, model, text, max_new):
 
 def run_one(model, tok, ids, args, progress=True, desc="", shared=None):
     """Generate under args.scheme/args.gate (and args.evict/args.page when present); returns (answer, trace)."""
-    from fast import trace as T
-    from fast.evict_cli import from_args, trace_summary
-    from fast.evictors import keep_count
+    from fast.tools import trace as T
+    from fast.tools.evict_cli import from_args, trace_summary
+    from fast.policies.evictors import keep_count
     try:
         evict, page = from_args(args) if hasattr(args, "evict") else (None, None)
     except ValueError as e:
@@ -231,7 +231,7 @@ def cmd_run(args):
     model, tok = load()
     ids = prompt_ids(tok, model, text, args.max_new_tokens)
     answer, tr = run_one(model, tok, ids, args)
-    from fast import trace as T
+    from fast.tools import trace as T
     out = T.save(tr, args.out)
     print(f"answer: {answer}")
     print(T.format_summary(T.summary(tr)))
@@ -240,7 +240,7 @@ def cmd_run(args):
 
 
 def cmd_report(args):
-    from fast import trace as T
+    from fast.tools import trace as T
     try:
         tr = T.load(args.dir)
     except FileNotFoundError as e:
@@ -260,7 +260,7 @@ DEMO_HARM = "kivi2"
 
 
 def cmd_demo(args):
-    from fast import trace as T
+    from fast.tools import trace as T
     model, tok = load()
     text, key = passkey_prompt(n_filler=args.filler, seed=args.seed)
     ids = prompt_ids(tok, model, text, args.max_new_tokens)
@@ -318,7 +318,7 @@ def parser():
     r.add_argument("--prompt-file", required=True)
     r.add_argument("--out", default=DEFAULT_OUT)
     common(r)
-    from fast.evict_cli import add_run_arguments
+    from fast.tools.evict_cli import add_run_arguments
     add_run_arguments(r)            # --evict, --page, --evict-group-size
     r.set_defaults(fn=cmd_run)
 
@@ -341,10 +341,10 @@ def parser():
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["calibrate-page"]:
-        from fast.evict_cli import calibrate_page_main
+        from fast.tools.evict_cli import calibrate_page_main
         return calibrate_page_main(argv[1:])
     args = parser().parse_args(argv)
-    from fast.model import ModelMissing
+    from fast.integrations.model import ModelMissing
     try:
         return args.fn(args)
     except (UsageError, ModelMissing) as e:

@@ -1,4 +1,4 @@
-"""CertifiedCache: a transformers 5.24 Cache that stores a compressed KV cache and carries the
+"""CertifiedCache: a transformers Cache that stores a compressed KV cache and carries the
 band witness (math.md T4) of every key, so that each decode read can be certified.
 
 Storage of one layer, token axis 2, in storage order (= position order until `keep_tokens`):
@@ -10,56 +10,21 @@ Storage of one layer, token axis 2, in storage order (= position order until `ke
 
 Each token is quantized exactly once, when it leaves the tail (append-only). The tail keeps
 the `window` newest tokens exact (and, for kivi2, the tokens of an unfinished 32-token block).
-The attention function in fast/meter.py reads `served()` and `witness_view()` at every
+The attention function in fast/integrations/hf_meter.py reads `served()` and `witness_view()` at every
 decode step.
 """
-
-from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from fast.quant import dequantize, quantize
-from fast.meter import set_current
-from fast.rope import rope_bands
-from fast.schemes import CodecStored, Grow, get_scheme
-from fast.witness import pack_witness, unpack_witness, witness, witness_from_step
+from fast.core.quant import dequantize, quantize
+from fast.integrations.hf_meter import set_current
+from fast.core.rope import rope_bands
+from fast.core.schemes import CodecStored, Grow, get_scheme
+from fast.core.witness import pack_witness, unpack_witness, witness, witness_from_step
+from fast.policies.gate import Gate, parse_gate
 
 NB = 8  # RoPE bands per head (fast.rope_bands(D, NB, "rotate_half"))
-
-
-@dataclass(frozen=True)
-class Gate:
-    """none | certified:TAU | risk:K (issue 4, Gating)."""
-    kind: str = "none"
-    tau: float = 1.0
-    k: int = 0
-
-    def __str__(self):
-        return {"none": "none", "certified": f"certified:{self.tau:g}", "risk": f"risk:{self.k}"}[self.kind]
-
-
-def parse_gate(spec):
-    """'none', 'certified:0.2' or 'risk:4' -> Gate; anything else -> ValueError (one line)."""
-    if isinstance(spec, Gate):
-        return spec
-    spec = (spec or "none").strip()
-    if spec == "none":
-        return Gate()
-    kind, sep, arg = spec.partition(":")
-    if kind == "certified" and sep:
-        try:
-            tau = float(arg)
-        except ValueError:
-            raise ValueError(f"gate {spec!r}: TAU must be a number in [0, 1], got {arg!r}") from None
-        if not 0.0 <= tau <= 1.0:
-            raise ValueError(f"gate {spec!r}: TAU must be in [0, 1], got {tau}")
-        return Gate("certified", tau=tau)
-    if kind == "risk" and sep:
-        if not arg.isdigit():
-            raise ValueError(f"gate {spec!r}: K must be a non-negative integer, got {arg!r}")
-        return Gate("risk", k=int(arg))
-    raise ValueError(f"unknown gate {spec!r}: use none, certified:TAU or risk:K")
 
 
 def _take(t, index):
@@ -223,7 +188,7 @@ class CertifiedLayer(CacheLayerMixin):
     # ---- reading ----
     def _decode_into(self, stored, out):
         """out[:] = stored.decode() in self.dtype, without temporaries for int8 (code x fp16 scale
-        is exact in fp32, so this equals fast.quant.dequantize bit for bit)."""
+        is exact in fp32, so this equals fast.core.quant.dequantize bit for bit)."""
         qt = getattr(stored, "qt", None)
         if qt is not None and qt.scheme == "int8" and out.dtype == torch.float32:
             ng = qt.scales.shape[-1]
@@ -398,7 +363,7 @@ class CertifiedLayer(CacheLayerMixin):
 class CertifiedCache(Cache):
     """A certified, compressed KV cache for model.generate / model(...) with attn_implementation="kvcert".
 
-    scheme: a registered scheme name (fast.schemes); gate: none | certified:TAU | risk:K;
+    scheme: a registered scheme name (fast.core.schemes); gate: none | certified:TAU | risk:K;
     sinks / window: exact first / newest tokens; shadow: keep the exact cache and measure true TV;
     seed, delta_req: the dither tier (int8_dither); offload: "full" (exact copy) or "residual";
     certify=False serves the compressed cache without certificates (the meter-overhead baseline);
@@ -428,7 +393,7 @@ class CertifiedCache(Cache):
             raise ValueError(f"gate risk:{self.gate.k}: K exceeds the {self.num_layers * config.num_key_value_heads} (layer, KV head) slots")
         self.evicted = False
         self._work = {}        # decode workspace (see workspace())
-        self.records = []      # one dict per (decode step, layer), filled by fast.meter
+        self.records = []      # one dict per (decode step, layer), filled by fast.integrations.hf_meter
         self.risk_done = False
         self.on_layer = None   # optional callback(phase, layer_idx) after each attention call (progress bars)
         layers = [CertifiedLayer(self, i) for i in range(self.num_layers)]
@@ -455,7 +420,7 @@ class CertifiedCache(Cache):
         self.risk_done = True
         if self.gate.k and any(layer.risk is None for layer in self.layers):
             raise ValueError("gate risk:K ranks slots during the prefill: run the prefill through the kvcert meter "
-                             "(fast.meter.enable(model)), not from a shared or foreign prefill")
+                             "(fast.integrations.hf_meter.enable(model)), not from a shared or foreign prefill")
         # rank by the bound, then by max c (which still orders slots whose bound saturates at 1)
         scores = [(tuple(r), l, h) for l, layer in enumerate(self.layers) if layer.risk is not None
                   for h, r in enumerate(layer.risk.tolist())]

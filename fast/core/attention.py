@@ -6,7 +6,7 @@ forms of math.md T2 built from three running sums over the cache,
 so A = A'/Z, B = B'/Z and B/A = B'/A' (the Triton kernel carries them online, with the
 running max m, next to the softmax). The torch twin sums instead, without cancellation,
     Z,  P = A' - Z = sum_j e^{x_j - m} expm1(c_j),  M = Z - B' = sum_j e^{x_j - m} (1 - e^{-c_j}),
-reusing the softmax's own fp32 weights e^{x_j - m} (fast.certify.forms_from_pmz).
+reusing the softmax's own fp32 weights e^{x_j - m} (fast.core.certify.forms_from_pmz).
 
 What the certificate bounds (math.md T8). x^ are the kernel's fp32 logits; x~ = s<q, k~>
 exactly; x = s<q, k> over the exact keys. fp32 rounding gives |x^_j - x~_j| <= e (one
@@ -18,7 +18,7 @@ c_eff = c + 2 e, the reported forms of (softmax(x^), c_eff) are
     B(p~, c) / A(p~, c) = sum p^ e^{d - c} / sum p^ e^{d + c} >= B(p^, c + e) / A(p^, c + e)
   and every form is nondecreasing in c, so forms(p~, c) <= forms(p^, c + 2e) (tanh: max c grows);
 - >= TV(softmax(x), softmax(x^)) directly by T2, since |x_j - x^_j| <= c_j + e.
-The sums and their margins: fast.certify.forms_from_pmz (fp32 terms, fp64 sums, any order:
+The sums and their margins: fast.core.certify.forms_from_pmz (fp32 terms, fp64 sums, any order:
 proofs/Float.v), and attention_torch for when the fp64 terms are used instead.
 
 e: the D-term fp32 dot product is within gamma_D sum_i |q_i| |k~_ji| (Higham 3.5, any
@@ -36,10 +36,10 @@ import math
 import numpy as np
 import torch
 
-from fast import _checks
-from fast.certify import CMAX32, SATURATE_C, U32, _up, forms_from_pmz, forms_from_sums, gamma, up64
-from fast.quant import QMAX, STEP_MARGIN, QTensor, dequantize
-from fast.witness import IN_DTYPES, _check_scale, logit_error_bound64, unpack_witness, witness_from_scales, witness_from_step
+from fast.core import _checks
+from fast.core.certify import CMAX32, SATURATE_C, U32, _up, forms_from_pmz, forms_from_sums, forms_with_margin, gamma, logit_rounding, logit_rounding_np, up64
+from fast.core.quant import QMAX, STEP_MARGIN, QTensor, dequantize, max_abs
+from fast.core.witness import IN_DTYPES, _check_scale, logit_error_bound64, unpack_witness, witness_from_scales, witness_from_step
 
 
 F32_MIN_N = 256  # from this many tokens on, the certificate reuses the fp32 softmax weights (see attention_torch)
@@ -93,44 +93,6 @@ def _check_inputs(q, k, v, rho, scale, bands, valid, exact):
     return s, bands, rho, valid, exact
 
 
-def max_abs(k):
-    """[B, Hkv, D] fp64 >= max over tokens of |k~| per channel (from the scales for a QTensor)."""
-    if isinstance(k, QTensor):
-        return k.max_abs()
-    return k.abs().amax(dim=-2).to(torch.float64)
-
-
-def logit_rounding(q, kmax, s):
-    """e [B, H] fp64 >= |x^_j - s <q, k~_j>| for the fp32 logits x^ (module doc), with
-    sum_i |q_i| |k~_ji| <= sum_i |q_i| kmax_i (kmax: [B, Hkv, D] per-channel bound)."""
-    e = logit_rounding_np(q.to(torch.float64).cpu().numpy(), kmax.cpu().numpy(), s)
-    return torch.from_numpy(e).to(q.device)
-
-
-def logit_rounding_np(q64, kmax, s):
-    """logit_rounding on numpy fp64 arrays q64 [B, H, D], kmax [B, Hkv, D] (small: numpy is
-    cheaper per op than torch). The fp64 sum and the product with s may round down by
-    O(D u64) relative: far inside the 1.01 of the formula; the last product is rounded up."""
-    B, H, D = q64.shape
-    Hkv = kmax.shape[1]
-    qk = np.matmul(np.abs(q64).reshape(B, Hkv, H // Hkv, D), kmax[..., None])  # [B, Hkv, G, 1]
-    return _up(s * qk.reshape(B, H) * ((D + 4) * U32 * 1.01))
-
-
-def forms_with_margin(a, b, z, cmax, margin):
-    """Forms from computed sums a ~ A', b ~ B', z ~ Z (fp64, [B, H]) and their relative error
-    bound `margin`. A row with max c > SATURATE_C (logit errors of hundreds: tanh(c/2) = 1
-    already) or a margin that is not small reports the saturated certificate:
-    A' = inf, B' = 0 (so 1 - B/A = 1, e_form = inf, min = 1)."""
-    wild = (margin > 1e-3) | (cmax > SATURATE_C)
-    zero = torch.zeros_like(b)
-    a_up = torch.where(wild, torch.full_like(a, torch.inf), up64(a * (1 + margin)))
-    b_down = torch.where(wild, zero, torch.nextafter(b * (1 - margin), zero))
-    z_down = torch.where(wild, torch.ones_like(z), torch.nextafter(z * (1 - margin), zero))  # Z >= 1: the argmax term
-    z_up = torch.where(wild, torch.full_like(z, torch.inf), up64(z * (1 + margin)))
-    return forms_from_sums(a_up, b_down, z_down, z_up, cmax)
-
-
 def _token_scaled(t):
     """(codes as fp32 [B,Hkv,N,D], scale [B,Hkv,1,N] fp32) for an int8 cache with one scale per
     token and head, whose dequantization m * scale is exact (11-bit scale x 8-bit code); else None."""
@@ -144,7 +106,7 @@ def token_kappa64(q64, bands, s):
     the zero-memory witness of an integer cache with one scale per token and head gives
     c_j = kappa h_j (rho_{j,b} = h_j sqrt(n_b), h_j = scale_j (1 + 2^-10) / 2, delta constant on
     the token): O(N) per head, no [N, NB] witness. In numpy ([B, H] is small: fewer op costs).
-    ||q_b||: as fast.witness.band_norms_up (squares exact in fp64, W-term sum, sqrt: 2 gamma_{W+4})
+    ||q_b||: as fast.core.witness.band_norms_up (squares exact in fp64, W-term sum, sqrt: 2 gamma_{W+4})
     rounded up; sqrt(n_b) correctly rounded (IEEE), rounded up; the NB-term sum gamma_NB, the
     product with s one rounding, one more for a later product with h_j: margin 2 gamma_{NB+3}."""
     NB, W = bands.shape
@@ -216,7 +178,7 @@ def attention_torch(q, k, v, rho, s, bands, valid, exact, certify=True):
     one more rounding, inside the (D + 4) u of logit_rounding, and no [N, D] multiply.
     The certificate reuses the softmax's own fp32 weights w and fp32 witness bounds c when
     N >= F32_MIN_N and every row has max c_eff <= CMAX32 (margins in
-    fast.certify.forms_from_pmz: a relative few 1e-6, fine for the 1e-4 tolerance of the
+    fast.core.certify.forms_from_pmz: a relative few 1e-6, fine for the 1e-4 tolerance of the
     conformance suite); otherwise (rows with large c, or few tokens, where the fp64
     margins keep the twin within 1e-6 of the Triton kernel) it recomputes w and c in fp64.
     """
@@ -283,6 +245,6 @@ def decode_attention(q, k, v, rho, scale, *, bands, valid=None, exact=None, back
             rho = witness_from_scales(k, bands) if k.scheme in QMAX else witness_from_step(k.step(), bands)
         # else: rho stays None and attention_torch uses token_scale_bound64 (same witness, O(N))
     if backend == "triton" or (backend == "auto" and q.is_cuda):
-        from fast import triton_kernels
+        from fast.core import triton_kernels
         return triton_kernels.decode_attention(q, k, v, rho, s, bands, valid, exact, certify)
     return attention_torch(q, k, v, rho, s, bands, valid, exact, certify)

@@ -3,7 +3,7 @@
     tr = from_cache(cache, meta)     # after generation
     save(tr, "out/")                 # out/trace.npz, out/trace.json, out/bound_heatmap.png, out/head_profile.png
     tr = load("out/"); print(format_summary(summary(tr)))
-    add_eviction(tr, out["trace"])   # with eviction (fast.evictors.generate's per-step trace)
+    add_eviction(tr, out["trace"])   # with eviction (fast.policies.evictors.generate's per-step trace)
 
 Arrays, T decode steps x L layers x B rows x H query heads:
 min (the reported bound), tanh, one_minus_b_over_a, e_form, max_c, pre_min (before a repair),
@@ -56,11 +56,11 @@ def from_cache(cache, meta=None):
 
 
 def add_eviction(tr, steps):
-    """Add the eviction certificate of every decode step (fast.evictors.generate's out["trace"]:
+    """Add the eviction certificate of every decode step (fast.policies.evictors.generate's out["trace"]:
     per step {"bound", "log_odds"[, "true"]} of shape [L, B, H]) and its composition with the
     quantization certificate `min` (same steps: both start at the first decode step)."""
     import torch
-    from fast.evict import compose_tv
+    from fast.core.evict import compose_tv
     if not steps:
         return tr
     for src, dst in EVICT_KEYS.items():

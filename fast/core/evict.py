@@ -57,7 +57,7 @@ def _round_up_f16(x64):
 
 
 def _default_bands(D, NB):
-    from fast.rope import rope_bands
+    from fast.core.rope import rope_bands
     return rope_bands(D, NB, "rotate_half")
 
 

@@ -14,7 +14,7 @@ and the gate evicts iff D >= tau; otherwise it keeps the full cache. tau is cali
 per model and budget on unlabelled prompts (`calibrate`): it is the (1 - evict_rate)
 quantile of the drops, so the gate evicts on about `evict_rate` of typical prompts.
 The decision needs all layers: the scores are collected during the prefill, then decided,
-then evicted (fast.evictors.evict).
+then evicted (fast.policies.evictors.evict).
 """
 
 import json
@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from fast.evictors import KERNEL, SINKS, WINDOW, keep_count, positions
+from fast.policies.evictors import KERNEL, SINKS, WINDOW, keep_count, positions
 
 
 def _pooled(s):
@@ -109,7 +109,7 @@ class Page:
 
 def prompt_drop(model, input_ids, budget, *, sinks=SINKS, window=WINDOW):
     """The drop of one prompt batch (runs a prefill collecting the window scores)."""
-    from fast.evictors import prefill
+    from fast.policies.evictors import prefill
     pre = prefill(model, input_ids, needs={"window"})
     L = len(pre.cache.layers)
     d, _ = head_agreement_drop([pre.layers[l].window for l in range(L)], pre.valid, budget, sinks=sinks, window=window)

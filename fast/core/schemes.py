@@ -170,7 +170,7 @@ class KiviValues(Store):
 
 
 class CodecStored(Store):
-    """A fast.quant QTensor (packed codes + scales), grown in place."""
+    """A fast.core.quant QTensor (packed codes + scales), grown in place."""
 
     def __init__(self, qt):
         super().__init__(codes=qt.codes, scales=qt.scales)
@@ -181,7 +181,7 @@ class CodecStored(Store):
         return replace(self.template, codes=self.get("codes"), scales=self.get("scales"))
 
     def decode(self):
-        from fast.quant import dequantize
+        from fast.core.quant import dequantize
         return dequantize(self.qt)
 
     def cat(self, other):
@@ -227,7 +227,7 @@ class Scheme:
 
 def _codec_scheme(name):
     def encode(x, layer, token_start, seed):
-        from fast.quant import quantize
+        from fast.core.quant import quantize
         qt = quantize(x, name, seed=seed, layer=layer, token_start=token_start)
         if qt.token_start != token_start:  # fp8 QTensors do not record the counters; cat checks them
             qt = replace(qt, token_start=token_start)

@@ -1,0 +1,1 @@
+"""Policies built on the meter: gates (repair what the certificate flags), evictors, PAGE."""

@@ -1,0 +1,1 @@
+"""Tools: the kvcert CLI and per-step traces (npz + JSON + plots)."""
