@@ -1,0 +1,80 @@
+"""The layout is part of the design (README, Layout): a certificate core that imports neither
+transformers nor vLLM, thin integrations over it, policies and tools on top, and no import
+cycle anywhere in `fast` (lazy imports inside functions count: they are cycles too).
+"""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = ROOT / "fast"
+LAYERS = {"core": 0, "integrations": 1, "policies": 1, "tools": 2}
+
+
+def module_name(path):
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path):
+    """Every `fast...` module imported anywhere in the file (top level or inside functions)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.startswith("fast"):
+                out.add(node.module)
+                out.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("fast"))
+    return out
+
+
+def graph():
+    mods = {module_name(p): p for p in FAST.rglob("*.py")}
+    edges = {m: {i for i in imports_of(p) if i in mods and i != m} for m, p in mods.items()}
+    return mods, edges
+
+
+def test_no_import_cycles():
+    """Property: the import graph of fast (package __init__ files excluded) is acyclic."""
+    mods, edges = graph()
+    inits = {m for m, p in mods.items() if p.name == "__init__.py"}
+    edges = {m: e - inits for m, e in edges.items() if m not in inits}
+    state = {}
+
+    def visit(m, stack):
+        state[m] = "open"
+        for n in edges.get(m, ()):
+            if state.get(n) == "open":
+                raise AssertionError("import cycle: " + " -> ".join(stack + [m, n]))
+            if n not in state:
+                visit(n, stack + [m])
+        state[m] = "done"
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m, [])
+
+
+def test_core_imports_no_upper_layer():
+    """Property: fast.core never imports integrations, policies or tools."""
+    mods, edges = graph()
+    for m, e in edges.items():
+        if m.startswith("fast.core"):
+            upper = [n for n in e if n.split(".")[1:2] and n.split(".")[1] in ("integrations", "policies", "tools")]
+            assert not upper, f"{m} imports {upper}"
+
+
+def test_core_imports_neither_transformers_nor_vllm():
+    """Property: importing the whole core (and `import fast`) loads neither transformers nor vllm."""
+    core = sorted(module_name(p) for p in (FAST / "core").glob("*.py"))
+    code = "import sys, importlib\n" + "".join(f"importlib.import_module({m!r})\n" for m in core + ["fast"]) + (
+        "bad = [m for m in ('transformers', 'vllm') if m in sys.modules]\n"
+        "assert not bad, bad\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
