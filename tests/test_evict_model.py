@@ -123,3 +123,64 @@ def test_budget_holding_the_whole_prompt_certifies_zero():
                    max_new_tokens=3, shadow=True)
     bad, bound, true = violations(out)
     assert bad == 0 and float(bound.abs().max()) == 0 and float(true.abs().max()) == 0
+
+
+def _tiny_d32():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
+                      attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_shadow_truth_uses_exact_keys_not_quantized():
+    """differential (issue 8 item 4): on an int4 CertifiedCache, the shadow "true" evicted mass is
+    computed from the EXACT keys. Independent truth: the layer-0 keys of a plain DynamicCache
+    run of the same prompt and first token (layer 0's keys do not depend on the cache), and the
+    layer-0 query recorded at the first decode step. Before the fix the truth came from the
+    int4-served keys and differed from this by 1.7e-4 (relative 2.7e-4) here."""
+    from transformers import DynamicCache
+
+    from fast.core.evict import evicted_mass
+    from fast.integrations.hf_cache import CertifiedCache
+    from fast.policies import evictors as E
+    model = _tiny_d32()
+    ids = torch.randint(0, 128, (1, 160), generator=torch.Generator().manual_seed(4))
+    seen = []
+    orig = E.Certifier.__call__
+
+    def spy(self, layer, q, key, attention_mask, scale):
+        if layer == 0:
+            seen.append((q.clone(), scale))
+        return orig(self, layer, q, key, attention_mask, scale)
+    E.Certifier.__call__ = spy
+    try:
+        cache = CertifiedCache(model.config, "int4", shadow=True, window=8)
+        out = generate(model, ids, evictor=make_evictor("knorm:60"), max_new_tokens=2, cache=cache, shadow=True)
+    finally:
+        E.Certifier.__call__ = orig
+    keep = out["eviction"].keep[0]                                         # [1, Hkv, 60] prompt slots
+    first = out["tokens"][:, :1]
+    with torch.no_grad():                                                  # exact keys, untouched by kvcert
+        ref = DynamicCache(config=model.config)
+        model(input_ids=torch.cat([ids, first], 1), cache=ref, use_cache=True)
+    k_exact = ref.layers[0].keys                                           # [1, Hkv, 161, D]
+    gone = torch.ones(1, k_exact.shape[1], 161, dtype=torch.bool)
+    gone.scatter_(2, keep, False)
+    gone[:, :, -1] = False                                                 # the new token is kept
+    q, scale = seen[0]
+    truth = evicted_mass(q, k_exact, scale, gone)                          # [1, H]
+    traced = out["trace"][0]["true"][0].double()
+    torch.testing.assert_close(traced, truth, rtol=1e-5, atol=1e-7)        # fp32 model keys vs fp64 mass
+    bound = out["trace"][0]["bound"][0].double()
+    assert bool((bound >= truth * (1 - 1e-12)).all())
+
+
+def test_shadow_on_quantized_cache_without_exact_copy_refuses():
+    """property: shadow mode cannot measure a truth without exact keys: a clear ValueError."""
+    from fast.integrations.hf_cache import CertifiedCache
+    model = _tiny_d32()
+    ids = torch.randint(0, 128, (1, 120), generator=torch.Generator().manual_seed(4))
+    with pytest.raises(ValueError, match="exact copy"):
+        generate(model, ids, evictor=make_evictor("knorm:60"), max_new_tokens=2,
+                 cache=CertifiedCache(model.config, "int4"), shadow=True)

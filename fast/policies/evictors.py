@@ -383,6 +383,18 @@ def layer_kv(layer):
     return layer.keys, layer.values, None
 
 
+def exact_keys(layer):
+    """The exact keys of one cache layer, for the shadow truth (issue 8 item 4): a DynamicCache
+    layer holds them; a kvcert CertifiedLayer serves quantized keys, so its exact copy is used
+    (kept only when the cache was built with shadow=True or a full-offload gate)."""
+    if hasattr(layer, "served"):
+        if getattr(layer, "exact_k", None) is None:
+            raise ValueError("shadow mode on a quantized cache needs its exact copy: build it with "
+                             "CertifiedCache(..., shadow=True)")
+        return layer.exact_k
+    return layer.keys
+
+
 def cache_layers_kv(cache):
     """[(keys, values)] per layer of a transformers DynamicCache or a kvcert CertifiedCache."""
     return [layer_kv(layer)[:2] for layer in cache.layers]
@@ -485,8 +497,8 @@ def evict(pre, evictor, *, page=None, witness=True, group_size=32, num_bands=8, 
         keep.append(idx)
         if witness:
             wits.append(_witness_of_evicted(k, rho, pre.valid, idx, num_bands, group_size))
-        if shadow:
-            full.append(k.clone())
+        if shadow:                                             # the truth: exact keys, never the served ones
+            full.append(exact_keys(pre.cache.layers[l]).clone())
     shrink_cache(pre.cache, keep)
     if isinstance(evictor, EpiKV):
         evictor.kept(keep[0][:, 0])                            # head-shared scores: one keep set
@@ -513,7 +525,8 @@ class Certifier:
         w = self.ev.witnesses[layer] if self.ev.witnesses else None
         if self.shadow:                                        # the newest key joins the exact copy
             n_all = self.full[layer].shape[2]
-            self.full[layer] = torch.cat([self.full[layer], key[:, :, -1:].to(self.full[layer].dtype)], 2)
+            newest = key[:, :, -1:] if self.cache is None else exact_keys(self.cache.layers[layer])[:, :, -1:]
+            self.full[layer] = torch.cat([self.full[layer], newest.to(self.full[layer].dtype)], 2)
             B, Hkv = key.shape[:2]
             self.orig[layer] = torch.cat([self.orig[layer], torch.full((B, Hkv, 1), n_all, dtype=torch.long)], 2)
             if layer == 0:
