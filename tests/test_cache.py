@@ -220,3 +220,68 @@ def test_cli_decode_with_evictor(model):
     assert info["eviction"].evicted and len(info["trace"]) == len(out) - 1
     assert cache.layers[0].n == 64 + len(out) - 1 and len(cache.records) == 2 * (len(out) - 1)
     assert bool((stacked(cache, "true_tv") <= stacked(cache, "min")).all())
+
+
+# ---- ownership: the cache owns what it measures (issue 8, defect 1) ----
+
+def _coarse(x):
+    return (x.float() * 4).round() / 4  # error up to 1/8 per element: a visibly compressed key
+
+
+def test_scheme_writing_into_its_input_cannot_fake_the_witness(model):
+    """A scheme that overwrites its input with its output (so that the exact key the witness is
+    measured against would be the quantized one) gets a private copy: the bound still holds."""
+    def fn(x):
+        out = _coarse(x)
+        x.copy_(out)  # scribble into the input
+        return out
+
+    register_scheme("writes_input", fn)
+    try:
+        cache = CertifiedCache(model.config, "writes_input", sinks=0, window=0, shadow=True)
+        gen(model, tiny_ids(1, 40), cache, n=4)
+        true, bound = stacked(cache, "true_tv"), stacked(cache, "min")
+        assert float(true.max()) > 1e-3  # really compressed
+        assert bool((true <= bound).all()), f"true TV {float(true.max())} above the bound {float(bound.min())}"
+    finally:
+        unregister_scheme("writes_input")
+
+
+def test_scheme_writing_into_the_exact_tail_cannot_reach_the_cache(model):
+    """A scheme that writes into the whole buffer behind its input (where the cache keeps the
+    exact window it serves with c = 0) only ever sees a private copy."""
+    def fn(x):
+        out = _coarse(x)
+        whole = torch.empty(0, dtype=x.dtype).set_(x.untyped_storage())  # every element x's buffer holds
+        whole.copy_(_coarse(whole))
+        return out
+
+    register_scheme("writes_tail", fn)
+    try:
+        cache = CertifiedCache(model.config, "writes_tail", sinks=0, window=6, shadow=True)
+        gen(model, tiny_ids(1, 40), cache, n=5)
+        assert bool((stacked(cache, "true_tv") <= stacked(cache, "min")).all())
+    finally:
+        unregister_scheme("writes_tail")
+
+
+def test_scheme_editing_its_output_later_cannot_change_what_is_served(model):
+    """A scheme that keeps the fp16 tensor it returned and edits it on a later call: the cache
+    stored its own copy, so what is served is what the witness was measured against."""
+    outs = []
+
+    def fn(x):
+        if len(outs) >= 3:
+            outs[-3].mul_(-1.0)  # three calls later: after the determinism check, after the witness
+        out = _coarse(x).half()
+        outs.append(out)
+        return out
+
+    register_scheme("edits_output", fn)
+    try:
+        cache = CertifiedCache(model.config, "edits_output", sinks=0, window=0, shadow=True)
+        gen(model, tiny_ids(1, 40), cache, n=4)
+        true, bound = stacked(cache, "true_tv"), stacked(cache, "min")
+        assert bool((true <= bound).all()), f"true TV {float(true.max())} above the bound"
+    finally:
+        unregister_scheme("edits_output")

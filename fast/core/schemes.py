@@ -239,27 +239,37 @@ def _kivi_scheme():
     return Scheme("kivi2", lambda x, *a: KiviKeys.encode(x), lambda x, *a: KiviValues.encode(x), block_k=KIVI_GROUP)
 
 
-def _check_output(name, x, x_hat):
+def _owned_output(name, x, x_hat):
+    """The cache's own fp16 copy of a scheme's output, checked. The copy is taken first and the
+    checks run on it, so nothing the function does later can change what is stored."""
     if not isinstance(x_hat, torch.Tensor):
         raise SchemeError(f"scheme {name!r}: returned {type(x_hat).__name__}, expected a tensor")
     if x_hat.shape != x.shape:
         raise SchemeError(f"scheme {name!r}: changed the shape {tuple(x.shape)} -> {tuple(x_hat.shape)}")
-    if not bool(torch.isfinite(x_hat).all()):
+    if not x_hat.is_floating_point():
+        raise SchemeError(f"scheme {name!r}: returned dtype {x_hat.dtype}, expected a floating-point tensor")
+    mine = x_hat.detach().to(device=x.device, copy=True)  # never an alias of the function's tensor
+    if not bool(torch.isfinite(mine).all()):
         raise SchemeError(f"scheme {name!r}: returned NaN or Inf")
-    x16 = x_hat.to(torch.float16)
+    x16 = mine.to(torch.float16).contiguous()
     if not bool(torch.isfinite(x16).all()):
         raise SchemeError(f"scheme {name!r}: output overflows fp16 storage")
     return x16
+
+
+def _private(x):
+    """A fresh contiguous copy of x for a black-box function: it never sees a tensor (or a view
+    of a buffer) that the cache keeps."""
+    return x.detach().clone(memory_format=torch.contiguous_format)
 
 
 def _blackbox_scheme(name, fn, deterministic):
     scheme = Scheme(name, None, None, deterministic=deterministic, fn=fn)
 
     def encode(x, layer, token_start, seed):
-        x_hat = fn(x)
-        x16 = _check_output(name, x, x_hat)
+        x16 = _owned_output(name, x, fn(_private(x)))
         if deterministic and not scheme.checked.get("determinism"):
-            again = _check_output(name, x, fn(x))
+            again = _owned_output(name, x, fn(_private(x)))
             if not torch.equal(x16, again):
                 raise SchemeError(f"scheme {name!r}: claims to be deterministic but two calls on the same input differ")
             scheme.checked["determinism"] = True
@@ -275,6 +285,10 @@ _REGISTRY = {}
 def register_scheme(name, fn, *, deterministic=True):
     """Register fn(x) -> x_hat (x: [B, Hkv, n, D] float) under `name`.
 
+    Ownership contract (README "Registered schemes"): fn receives a private contiguous copy of
+    the tokens being written (never a view of anything the cache keeps, exact tail included), so
+    what it does to its input is lost; the cache copies x_hat into its own fp16 storage before
+    measuring the witness against that copy, so what fn does to x_hat later is lost too.
     Probed at once on a random tensor: a shape change, NaN/Inf, or (when deterministic) two
     different answers on the same input raise SchemeError. Every later call is checked too.
     """
