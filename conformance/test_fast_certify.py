@@ -97,3 +97,54 @@ def test_forms_zero_error_is_zero():
     got = fast.tv_bound_forms(p, torch.zeros_like(p))
     assert bool((got["tanh"] == 0).all())
     assert float(got["min"].max()) <= 1e-9
+
+
+def check_unnormalised_rows(case):
+    """Property (fast and reference): p~ rounded to fp16/bf16 sums to 1 only approximately; the
+    contract (both sides): p~ is taken as weights of the distribution p~ / sum(p~), and every form
+    is >= TV(p, p~ / sum p~) with p proportional to p~ e^eps, for any |eps_j| <= c_j (here: signs
+    drawn from the seed, and eps = +c on the tokens above the median weight, -c elsewhere)."""
+    from mpmath import exp, fsum, workdps
+    p, c = build(case)
+    got = fast.tv_bound_forms(p, c)
+    rng = torch.Generator().manual_seed(case["seed"] + 1)
+    with workdps(60):
+        for r in range(case["rows"]):
+            ps = [mpf(float(v)) for v in p[0, r].double()]
+            cs = [mpf(float(v)) for v in c[0, r].double()]
+            total = fsum(ps)
+            want = ref.tv_bound_forms(ps, cs)
+            med = sorted(ps)[len(ps) // 2]
+            signs = [[1 if float(u) < 0.5 else -1 for u in torch.rand(len(ps), generator=rng)] for _ in range(3)]
+            signs.append([1 if v > med else -1 for v in ps])
+            for sg in signs:
+                w = [pj * exp(sj * cj) for pj, sj, cj in zip(ps, sg, cs)]
+                z = fsum(w)
+                truth = fsum(abs(wj / z - pj / total) for wj, pj in zip(w, ps)) / 2
+                msg = f"true TV {truth}; reproduce: check_unnormalised_rows({json.dumps(case)})"
+                assert want["min"] >= truth, f"reference min {want['min']} < " + msg
+                assert mpf(float(got["min"][0, r])) >= truth, f"fast min {float(got['min'][0, r])} < " + msg
+                assert want["e_form"] >= 0, f"reference e_form {want['e_form']} < 0; " + msg
+
+
+UNNORMALISED = st.fixed_dictionaries({
+    "seed": st.integers(0, 2**31 - 1), "rows": st.integers(1, 3), "N": st.integers(2, 48),
+    "mag": st.sampled_from(["tiny", "ordinary"]), "dtype": st.sampled_from(["fp16", "bf16"]), "sparse": st.booleans()})
+
+
+@settings(max_examples=60)
+@replay("test_unnormalised_rows")
+@example(case={"seed": 0, "rows": 1, "N": 7, "mag": "tiny", "dtype": "bf16", "sparse": False})
+@given(case=UNNORMALISED)
+def test_unnormalised_rows(case):
+    """Property, issue 8 defect 3: a row summing below 1 must not drive (A^2 - 1)/2, hence min, below the true TV."""
+    check_unnormalised_rows(case)
+
+
+def test_unnormalised_row_regression():
+    """The issue's example: a bf16 softmax row summing below 1 with tiny c (min used to be 0)."""
+    p = torch.softmax(torch.randn(1, 1, 7, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 1e-3, -1).to(torch.bfloat16)
+    assert float(p.double().sum()) < 1
+    c = torch.full((1, 1, 7), 1e-6, dtype=torch.float64)
+    assert float(fast.tv_bound_forms(p, c)["e_form"]) > 0
+    assert ref.tv_bound_forms([float(v) for v in p[0, 0].double()], [1e-6] * 7)["e_form"] > 0

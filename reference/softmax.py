@@ -79,23 +79,29 @@ def tv_bound_tanh(c):
 def tv_bound_forms(p_tilde, c):
     """The observable TV bounds of spec T2 from p~ and per-token bounds |eps_j| <= c_j.
 
-    A = sum p~_j e^{c_j}, B = sum p~_j e^{-c_j} (spec T2a: A*B >= 1; T2b: B <= Z <= A).
+    Contract (shared with fast.tv_bound_forms): p_tilde is a row of nonnegative finite weights
+    with a positive sum S, taken as the distribution p~ / S (a softmax rounded to fp16/bf16/fp32
+    sums to 1 only approximately; T2 is about the normalised row, and p, proportional to
+    p~_j e^{eps_j}, does not depend on S). The bound is on TV(p, p~ / S).
+    A = sum p~_j e^{c_j} / S, B = sum p~_j e^{-c_j} / S (spec T2a: A*B >= 1; T2b: B <= Z <= A).
     Returns a dict of mpf: tanh (T1c), one_minus_b_over_a = 1 - B/A (T2c),
     e_form = (A^2 - 1)/2 (T2d), and min = the smallest of the three, capped at 1 and
-    floored at 0 (TV >= 0; a p~ that sums to 1 only up to its last digit can put
-    (A^2 - 1)/2 a hair below 0 when every c_j = 0).
-    p_tilde is taken as given (a probability vector; it is not renormalised here).
+    floored at 0 (TV >= 0; the 60-digit sums can put (A^2 - 1)/2 a hair below 0 when every c_j = 0).
     """
     ps = _nums(p_tilde, "p_tilde")
     cs = _shift_bounds(c, len(ps))
     for v in ps:
         if v < 0:
             raise ValueError(f"p_tilde: negative entry {v}")
+    total = sum(ps)
+    if not total > 0:
+        raise ValueError("p_tilde: the row sums to zero")
     big_a = mpf(0)
     big_b = mpf(0)
     for p, cj in zip(ps, cs):
         big_a += p * exp(cj)
         big_b += p * exp(-cj)
+    big_a, big_b = big_a / total, big_b / total
     forms = {
         "tanh": tanh(max(cs) / 2),
         "one_minus_b_over_a": 1 - big_b / big_a,

@@ -148,10 +148,13 @@ def weighted_sums(w, c):
 def tv_bound_forms(p_tilde, c):
     """Twin of reference.softmax:tv_bound_forms (spec T1c, T2a-d), batched.
 
-    p_tilde: [B, H, N] served attention (>= 0; used as given, not renormalised);
-    c: [B, H, N] logit error bounds (>= 0). Returns dict of [B, H] fp32 tensors:
-    tanh, one_minus_b_over_a, e_form, min (capped at 1), plus A (up), B (down), max_c.
-    NaN/Inf/negative input -> ValueError.
+    p_tilde: [B, H, N] served attention weights (>= 0, a positive sum S per row); c: [B, H, N]
+    logit error bounds (>= 0). Contract (shared with the reference): each row is taken as the
+    distribution p~ / S, with rigorous fp64 bounds on S (a softmax rounded to fp16/bf16/fp32 sums to
+    1 only approximately; taken as given, a row below 1 drove (A^2 - 1)/2 below 0). Every form is
+    >= its exact value at p~ / S, hence >= TV(p, p~ / S) for p proportional to p~ e^eps, |eps| <= c.
+    Returns dict of [B, H] fp32 tensors: tanh, one_minus_b_over_a, e_form, min (capped at 1),
+    plus A (up), B (down), max_c. NaN/Inf/negative input or a zero row -> ValueError.
     """
     _checks.tensor("p_tilde", p_tilde, ndim=3)
     _checks.tensor("c", c, ndim=3)
@@ -164,9 +167,8 @@ def tv_bound_forms(p_tilde, c):
     c64 = c.to(torch.float64)
     if not bool((p.sum(-1) > 0).all()):
         raise ValueError("p_tilde: a row sums to zero")
-    a_up, b_down, _, _ = weighted_sums(p, c64)
-    one = torch.ones_like(a_up)  # p_tilde is used as given: Z = 1 exactly
-    return to_fp32(forms_from_sums(a_up, b_down, one, one, c64.amax(-1)))
+    a_up, b_down, s_down, s_up = weighted_sums(p, c64)  # S = sum p~ bounded both ways: A = A'/S, B = B'/S
+    return to_fp32(forms_from_sums(a_up, b_down, s_down, s_up, c64.amax(-1)))
 
 
 def _up(x):
