@@ -285,3 +285,31 @@ def test_scheme_editing_its_output_later_cannot_change_what_is_served(model):
         assert bool((true <= bound).all()), f"true TV {float(true.max())} above the bound"
     finally:
         unregister_scheme("edits_output")
+
+
+def test_dither_tier_covers_the_fp32_logits(model, monkeypatch):
+    """Every token exact (window covers the prompt): the dither tier must still cover the fp32
+    rounding of the served logits, TV(exact p, softmax of the fp32 logits) (issue 8 defect 2)."""
+    import fast.integrations.hf_meter as meter
+    seen, inner = [], meter.decode_attention
+
+    def spy(q, k, v, rho, scale, **kw):
+        seen.append((q.clone(), k.clone(), scale, kw.get("valid")))
+        return inner(q, k, v, rho, scale, **kw)
+
+    monkeypatch.setattr(meter, "decode_attention", spy)
+    cache = CertifiedCache(model.config, "int8_dither", sinks=0, window=1000, shadow=True)
+    gen(model, tiny_ids(1, 40), cache, n=5)
+    assert len(seen) == len(cache.records) > 0
+    worst = 0.0
+    for (q, k, s, valid), rec in zip(seen, cache.records):
+        B, H, D = q.shape
+        Hkv, N = k.shape[1], k.shape[2]
+        qg = q.view(B, Hkv, H // Hkv, D)
+        x32 = (torch.matmul(qg, k.transpose(-1, -2)) * torch.tensor(s, dtype=torch.float32)).reshape(B, H, N)
+        served = torch.softmax(x32.double(), -1)  # the fp32 logits the attention uses, softmax taken exactly
+        exact = torch.softmax((torch.matmul(qg.double(), k.double().transpose(-1, -2)) * s).reshape(B, H, N), -1)
+        tv = 0.5 * (served - exact).abs().sum(-1)
+        worst = max(worst, float(tv.max()))
+        assert bool((tv <= rec["dither_min"].double()).all()), (float(tv.max()), float(rec["dither_min"].min()))
+    assert worst > 0  # the fp32 rounding is visible: the check is not vacuous

@@ -12,7 +12,7 @@ from fractions import Fraction
 import torch
 
 from fast.core import _checks
-from fast.core.certify import gamma, up32, up64
+from fast.core.certify import gamma, logit_rounding, tv_bound_forms, up32, up64
 from fast.core.witness import IN_DTYPES, _check_scale
 
 
@@ -75,3 +75,37 @@ def budget_local(delta_req, L, H, t):
     x = float(exact)
     return math.nextafter(x, 0.0) if Fraction(x) > exact else x
 
+
+
+def dither_forms(q, p_tilde, delta, kmax, scale, n, d):
+    """The dither-tier certificate of one decode read (T6c with T2, plus the fp32 rounding of T8).
+
+    q: [B, H, D] (fixed independently of the dither, A2); p_tilde: [B, H, N] the served attention
+    computed in fp64 from the served keys k~ (softmax of s <q, k~_j>, padding 0); delta: [B, Hkv, N, D]
+    dither steps (0 at exact tokens); kmax: [B, Hkv, D] >= |k~_ji| per channel (fast.core.quant.max_abs);
+    n >= N tokens in the union bound, d the local budget. Returns tv_bound_forms' dict ([B, H] fp32).
+
+    With probability >= 1 - d, |x_j - x~_j| <= c_j (x exact, x~ = s <q, k~> exactly), and the
+    attention's fp32 logits x^ satisfy |x^_j - x~_j| <= e (fast.core.certify.logit_rounding), so
+    |x - x^| <= c + e: T2 at the observable p^ = softmax(x^) with c + e. p^ is p~ shifted by at
+    most e per logit, which moves A up and B/A down by at most e^{2e}: forms(p^, c + e) <=
+    forms(p~, c + 3e), and forms(p~, c) (the TV to softmax(x~)) is below that too. p_tilde itself
+    is fp64 arithmetic: its logits err by < e 2^-29 (D + 2 fp64 roundings against the (D + 4) u32 of e),
+    the max-subtraction by < e 2^-29, exp and the division by < 16 u64 < 2^-48 per entry, and
+    entries that underflow are absorbed by the absolute term; its sum is handled by tv_bound_forms
+    (the row is normalised with rigorous bounds). Each such shift counts twice, as e does:
+    c_eff = c + 3 e (1 + 2^-20) + 2^-46, rounded up.
+    """
+    c = dither_radius(q, delta, scale, n, d)  # [B, H, N] fp32, checks q, delta, scale, n, d
+    s = _check_scale(scale)
+    _checks.tensor("p_tilde", p_tilde, ndim=3)
+    if tuple(p_tilde.shape) != tuple(c.shape):
+        raise ValueError(f"p_tilde: shape {tuple(p_tilde.shape)}, expected {tuple(c.shape)}")
+    _checks.tensor("kmax", kmax, ndim=3)
+    if tuple(kmax.shape) != (delta.shape[0], delta.shape[1], delta.shape[3]):
+        raise ValueError(f"kmax: shape {tuple(kmax.shape)}, expected {(delta.shape[0], delta.shape[1], delta.shape[3])}")
+    _checks.nonneg_finite("kmax", kmax)
+    e = logit_rounding(q, kmax.to(torch.float64), s)  # [B, H] fp64
+    extra = up64(up64(3.0 * e * (1 + 2.0 ** -20)) + 2.0 ** -46)
+    c_eff = up64(c.to(torch.float64) + extra.unsqueeze(-1))
+    return tv_bound_forms(p_tilde, c_eff)

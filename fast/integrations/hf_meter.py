@@ -14,8 +14,8 @@ import torch
 from transformers import AttentionInterface
 
 from fast.core.attention import decode_attention
-from fast.core.certify import tv_bound_forms
-from fast.core.dither import budget_local, dither_radius
+from fast.core.dither import budget_local, dither_forms
+from fast.core.quant import max_abs
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -122,8 +122,8 @@ def decode_step(layer, query, key, value, scale, mask=None):
         p_tilde = served_probs(q, key, scale, layer.valid)
     if cache.scheme.dither:
         d = budget_local(cache.delta_req, cache.num_layers, cache.num_heads, t)
-        c = dither_radius(q, layer.step_view(), scale, key.shape[2], d)
-        rec["dither_min"] = tv_bound_forms(p_tilde.float(), c)["min"]
+        # fp64 p~ as computed, with the fp32 logit rounding of the served attention (fast.core.dither.dither_forms)
+        rec["dither_min"] = dither_forms(q, p_tilde, layer.step_view(), max_abs(key), scale, key.shape[2], d)["min"]
     if cache.shadow:
         p = served_probs(q, layer.exact_k, scale, layer.valid)
         rec["true_tv"] = (0.5 * (p - p_tilde).abs().sum(-1)).float()
