@@ -313,3 +313,32 @@ def test_dither_tier_covers_the_fp32_logits(model, monkeypatch):
         worst = max(worst, float(tv.max()))
         assert bool((tv <= rec["dither_min"].double()).all()), (float(tv.max()), float(rec["dither_min"].min()))
     assert worst > 0  # the fp32 rounding is visible: the check is not vacuous
+
+
+@pytest.mark.parametrize("scheme", ["fp8_e4m3", "fp8_e5m2"])
+def test_keep_tokens_on_fp8_caches(model, scheme):
+    """Eviction on fp8 caches (gather is not implemented for Float8 on CPU: the cache gathers
+    the bytes), then certified decoding stays sound."""
+    cache = CertifiedCache(model.config, scheme, sinks=2, window=4, shadow=True)
+    with torch.no_grad():
+        model(input_ids=tiny_ids(1, 48), cache=cache, use_cache=True)
+    layer = cache.layers[0]
+    k_before, _ = layer.served()
+    index = torch.stack([torch.randperm(48, generator=torch.Generator().manual_seed(h))[:20].sort().values for h in range(2)])[None]
+    for l in range(model.config.num_hidden_layers):
+        cache.keep_tokens(l, index)
+    k_after, _ = layer.served()
+    assert torch.equal(k_after, k_before.gather(2, index[..., None].expand(-1, -1, -1, 32)))
+    with torch.no_grad():
+        tok = torch.tensor([[5]])
+        for _ in range(3):
+            tok = model(input_ids=tok, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    assert len(cache.records) == 3 * 2
+    assert bool((stacked(cache, "true_tv") <= stacked(cache, "min")).all())
+
+
+def test_tiny_delta_req_is_refused_up_front(model):
+    """delta_req so small that the local budgets underflow: refused at construction, not mid-generation."""
+    with pytest.raises(ValueError, match="underflow"):
+        CertifiedCache(model.config, "int8_dither", delta_req=1e-320)
+    CertifiedCache(model.config, "int8", delta_req=1e-320)  # no dither tier: the budget is unused

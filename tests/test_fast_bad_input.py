@@ -208,3 +208,32 @@ def test_huge_witness_saturates_never_small():
     assert bool((cert["one_minus_b_over_a"] >= 1).all())
     got = fast.tv_bound_forms(torch.softmax(torch.randn(1, 2, 5), -1), torch.full((1, 2, 5), 1e30))
     assert bool((got["min"] == 1).all()) and bool((got["one_minus_b_over_a"] >= 1).all())
+
+
+# ---- issue 8, bad input to the API ----
+
+def test_dither_radius_refuses_fewer_tokens_than_given():
+    """n is the union bound's token count: fewer than the tokens given would shrink every radius."""
+    q, k, v, rho = inputs(N=6)
+    fast.dither_radius(q, k.abs(), 0.2, 6, 0.1)  # exactly the tokens given: fine
+    with pytest.raises(ValueError, match="tokens"):
+        fast.dither_radius(q, k.abs(), 0.2, 5, 0.1)
+
+
+@pytest.mark.parametrize("delta_req", [1e-320, 5e-324, 1e-305])
+def test_budget_local_underflow_is_an_error_never_zero(delta_req):
+    with pytest.raises(ValueError, match="underflow"):
+        fast.budget_local(delta_req, 30, 9, 1000)
+
+
+def test_budget_local_stays_positive_at_the_edge():
+    b = fast.budget_local(1e-290, 30, 9, 1000)
+    assert b > 0 and b >= 2.0 ** -1022
+
+
+def test_decode_attention_rejects_wrong_value_head_size():
+    q, k, v, rho = inputs()
+    with pytest.raises(ValueError, match="v"):
+        fast.decode_attention(q, k, v[..., :16], rho, 0.2, bands=BANDS)
+    with pytest.raises(ValueError, match="v"):
+        fast.decode_attention(q, k, torch.cat([v, v], -1), rho, 0.2, bands=BANDS)

@@ -60,6 +60,8 @@ def _check_inputs(q, k, v, rho, scale, bands, valid, exact):
     kshape, vshape = _cache_shape("k", k), _cache_shape("v", v)
     if kshape[0] != B or kshape[3] != D or vshape[:3] != kshape[:3]:
         raise ValueError(f"shapes do not line up: q {tuple(q.shape)}, k {kshape}, v {vshape}")
+    if vshape[3] != D:
+        raise ValueError(f"v: head size {vshape[3]} != the query and key head size {D}")
     Hkv, N = kshape[1], kshape[2]
     _checks.gqa(H, Hkv)
     if N == 0:

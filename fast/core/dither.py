@@ -62,7 +62,12 @@ def dither_radius(q, delta, scale, n, d):
     tokens of one read satisfy |eps_j| <= c_j (non-adaptive queries, A1-A2)."""
     s = _check(q, delta, scale)
     f = radius_factor(n, d)
+    if n < delta.shape[2]:
+        raise ValueError(f"n = {n}: the union bound must count at least the {delta.shape[2]} tokens given")
     return up32(up64(_sigma64(q, delta, s) * f))
+
+
+TINY64 = 2.0 ** -1022  # least normal fp64: a local budget below it is refused, never rounded to 0
 
 
 def budget_local(delta_req, L, H, t):
@@ -72,6 +77,9 @@ def budget_local(delta_req, L, H, t):
     for name, v in (("L", L), ("H", H), ("t", t)):
         _checks.positive_int(name, v)
     exact = Fraction(delta_req) / (L * H * t * (t + 1))
+    if exact < Fraction(TINY64):
+        raise ValueError(f"budget_local: delta_req = {delta_req:g} / (L H t (t+1)) = {float(exact):.3g} at step t = {t} "
+                         f"would underflow fp64 (below {TINY64:.3g}): use a larger delta_req")
     x = float(exact)
     return math.nextafter(x, 0.0) if Fraction(x) > exact else x
 

@@ -73,9 +73,15 @@ class Store:
         new.f = {k: Grow(_take(g.t, index)) for k, g in self.f.items()}
         return new
 
+FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n))
+
+
 def _take(t, index):
-    """Gather t [B, Hkv, N, ...] along the token axis with index [B, Hkv, K] -> [B, Hkv, K, ...]."""
+    """Gather t [B, Hkv, N, ...] along the token axis with index [B, Hkv, K] -> [B, Hkv, K, ...].
+    Float8 codes are gathered as their bytes (torch has no Float8 gather on CPU): bit-identical."""
     idx = index.reshape(*index.shape, *([1] * (t.dim() - 3))).expand(*index.shape, *t.shape[3:])
+    if t.dtype in FLOAT8:
+        return torch.gather(t.view(torch.uint8), 2, idx).view(t.dtype)
     return torch.gather(t, 2, idx)
 
 

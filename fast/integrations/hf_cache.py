@@ -389,6 +389,9 @@ class CertifiedCache(Cache):
         self.num_heads = config.num_attention_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.bands = rope_bands(self.head_dim, nbands, "rotate_half")
+        if self.scheme.dither:  # the local budgets of ~1e6 steps must stay normal fp64 numbers (never 0)
+            from fast.core.dither import budget_local
+            budget_local(self.delta_req, self.num_layers, self.num_heads, 2 ** 20)
         if self.gate.kind == "risk" and self.gate.k > self.num_layers * config.num_key_value_heads:
             raise ValueError(f"gate risk:{self.gate.k}: K exceeds the {self.num_layers * config.num_key_value_heads} (layer, KV head) slots")
         self.evicted = False
