@@ -106,7 +106,9 @@ Qed.
 
 (** * T6b *)
 
-Lemma uniform_mgf_eq y :
+(** The moment generating function of the continuous uniform dither on [-1/2, 1/2] in closed
+    form, sinh(y/2)/(y/2), for y <> 0. *)
+Theorem uniform_mgf_eq y :
   y <> 0 -> RInt (fun u => exp (y * u)) (-1/2) (1/2) = sinh (y / 2) / (y / 2).
 Proof.
   intros Hy.

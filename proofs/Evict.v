@@ -87,6 +87,16 @@ Proof.
   nra.
 Qed.
 
+(** The eviction TV itself is certified by any upper bound U on [Z_E] and lower bound L > 0
+    on [Z_K]: TV(p, p^K) <= U/(L+U). *)
+Theorem evict_tv_le_of_z_bounds n kept x L U :
+  z_evicted n kept x <= U -> 0 < L -> L <= z_kept n kept x ->
+  tv n (softmax n x) (softmax_kept n kept x) <= U / (L + U).
+Proof.
+  intros HU HL HK. rewrite evict_tv_eq_mass by lra.
+  apply evict_tv_le_of_bounds; [apply z_evicted_nonneg|exact HU|exact HL|exact HK].
+Qed.
+
 (** The same bound stated directly on the eviction error. *)
 Lemma evict_tv_le_of_bounds_tv n kept x L U :
   z_evicted n kept x <= U -> 0 < L -> L <= z_kept n kept x ->

@@ -192,7 +192,8 @@ Proof.
   apply rotate_inner_relative.
 Qed.
 
-Lemma inner_rope_eq_relative_interleaved P theta (m n : R) (q k : nat -> R) :
+(** The same offset-only dependence in the interleaved layout (pairs (2i, 2i+1)). *)
+Theorem inner_rope_eq_relative_interleaved P theta (m n : R) (q k : nat -> R) :
   sum (2 * P) (fun j => rope_inter theta m q j * rope_inter theta n k j)
   = sum (2 * P) (fun j => q j * rope_inter theta (n - m) k j).
 Proof.

@@ -4,7 +4,9 @@ Caveat (spec assumption A2): these radii hold for queries that do not depend on 
 dither. Autoregressive decoding feeds outputs back, so this tier is stated for
 non-adaptive queries; the deterministic tier (reference.band) has no such caveat.
 """
-from mpmath import log, mpf, sqrt, workdps
+from fractions import Fraction
+
+from mpmath import exp, log, mpf, sqrt, workdps
 
 DPS = 60
 
@@ -68,3 +70,89 @@ def budget_local(delta_req, L, H, t):
         if int(v) != v or v < 1:
             raise ValueError(f"{name} must be an integer >= 1 (got {v})")
     return mpf(delta_req) / (mpf(L) * H * t * (t + 1))
+
+
+# ---- The dither on the code's 16-bit grid (proofs/DitherGrid.v) ----------------------------
+
+GRID_N = 2 ** 16  # fast/core/quant.py: u = (2 i + 1 - 2^16) / 2^17 for a 16-bit hash output i
+
+
+def grid_u(i, N=GRID_N):
+    """u_i = (2 i + 1 - N) / (2 N), exact (DitherGrid.v grid_u)."""
+    return Fraction(2 * i + 1 - N, 2 * N)
+
+
+def _round_half_even(z):
+    """The integer nearest to the Fraction z, ties to even (torch.round)."""
+    f = z.numerator // z.denominator
+    frac = z - f
+    if frac > Fraction(1, 2) or (frac == Fraction(1, 2) and f % 2 == 1):
+        f += 1
+    return f
+
+
+def _fl32(z):
+    """The dyadic Fraction z rounded to binary32, ties to even, gradual underflow (the same
+    rounding as reference.floats.round_nearest, in Fractions for speed)."""
+    if z == 0:
+        return Fraction(0)
+    a = abs(z)
+    e = a.numerator.bit_length() - a.denominator.bit_length()  # 2^e <= a < 2^(e+2)
+    while Fraction(2) ** e > a:
+        e -= 1
+    while Fraction(2) ** (e + 1) <= a:
+        e += 1
+    quantum = Fraction(2) ** max(e - 23, -149)
+    r = _round_half_even(a / quantum) * quantum
+    return r if z > 0 else -r
+
+
+def grid_errors(y, N=GRID_N, fp32_add=False):
+    """[(m_i - u_i) - y for i < N], exact Fractions: the subtractive-dither error, in steps, of a
+    coordinate whose scaled value is y = x / delta (a float or Fraction), with
+    m_i = round_half_even(y + u_i) (DitherGrid.v grid_err), or of fl32(y + u_i) when fp32_add
+    (what fast/core/quant.py computes: eta = 2^-18 in DitherGrid.v for |y| <= 126.5)."""
+    y = Fraction(y)
+    out = []
+    for i in range(N):
+        z = y + grid_u(i, N)
+        m = _round_half_even(_fl32(z) if fp32_add else z)
+        out.append(Fraction(m) - z)
+    return out
+
+
+def grid_error_mean(y, N=GRID_N, fp32_add=False):
+    """The exact mean of grid_errors(y): |mean| <= 1/(2N) + eta (DitherGrid.v abs_grid_err_mean_le);
+    NOT 0 in general (y = 1/(2N): mean = -1/(2N))."""
+    errs = grid_errors(y, N, fp32_add)
+    return sum(errs, Fraction(0)) / N
+
+
+@workdps(DPS)
+def grid_error_mgf(y, a, N=GRID_N, fp32_add=False):
+    """E exp(a (e - E e)) over the grid, e the dither error of grid_errors(y): at most
+    exp(a^2 (1 - 1/N^2) / 24) for N = 2^K (DitherGrid.v grid_err_mgf_le)."""
+    errs = grid_errors(y, N, fp32_add)
+    mu = sum(errs, Fraction(0)) / N
+    a = mpf(a)
+    total = mpf(0)
+    for e in errs:
+        c = e - mu
+        total += exp(a * mpf(c.numerator) / c.denominator)
+    return total / N
+
+
+@workdps(DPS)
+def dither_radius_grid(q, delta, scale, n, d, eta=0, rho=0, N=GRID_N):
+    """One token's radius on the grid (DitherGrid.v token_failure_le): with b_i = s q_i delta_i,
+    c = sum_i |b_i| (1/(2N) + eta) + rho + sqrt(sum_i b_i^2 / 12) sqrt(2 ln(2n/d)), and
+    P(|eps| > c) <= d/n. eta: rounding slack of the code's m (0 exact, 2^-18 for fl32(y + u));
+    rho: bound on the rest of the error (fp32 roundings of the quantizer, logit rounding)."""
+    if len(delta) != len(q):
+        raise ValueError(f"delta: {len(delta)} steps for a query of length {len(q)}")
+    if not 0 < mpf(d) <= 2 * n:
+        raise ValueError(f"d must lie in (0, 2n] (got {d})")
+    b = [mpf(scale) * mpf(qi) * mpf(di) for qi, di in zip(q, delta)]
+    bias = sum(abs(bi) for bi in b) * (mpf(1) / (2 * N) + mpf(eta))
+    proxy = sum(bi ** 2 for bi in b) / 12
+    return bias + mpf(rho) + sqrt(proxy) * sqrt(2 * log(2 * mpf(n) / mpf(d)))
