@@ -14,7 +14,7 @@ from fast.core.quant import QTensor, quantize, dequantize, dither_noise, SCHEMES
 from fast.core.witness import witness, witness_from_step, witness_from_scales, pack_witness, unpack_witness, logit_error_bound
 from fast.core.certify import tv_bound_forms
 from fast.core.dither import dither_sigma, dither_radius, budget_local
-from fast.core.attention import decode_attention
+from fast.core.attention import attention_rows, decode_attention
 from fast.core.schemes import Scheme, SchemeError, get_scheme, register_scheme, scheme_names, unregister_scheme
 from fast.core.evict import GroupWitness, build_group_witness, compose_tv, evict_bound, evict_log_odds, log_z_kept_lower
 from fast.policies.gate import Gate, parse_gate

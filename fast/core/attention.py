@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from fast.core import _checks
-from fast.core.certify import CMAX32, SATURATE_C, U32, _up, forms_from_pmz, forms_from_sums, forms_with_margin, gamma, logit_rounding, logit_rounding_np, up64
+from fast.core.certify import CMAX32, EXP32_EPS, SATURATE_C, U32, _up, band_norms_up, forms_from_pmz, forms_from_sums, forms_with_margin, gamma, logit_rounding, logit_rounding_np, up32, up64
 from fast.core.quant import QMAX, STEP_MARGIN, QTensor, dequantize, max_abs
 from fast.core.witness import IN_DTYPES, _check_scale, logit_error_bound64, unpack_witness, witness_from_scales, witness_from_step
 
@@ -132,7 +132,8 @@ def token_scale_h(k, valid, exact):
 def witness_bounds(q, q64, k, rho, bands, s, valid, exact, dtype):
     """(c [B, H, N], cmax [B, H]) in dtype (fp32 or fp64): c_j + 2^-150 >= the exact witness
     bound s sum_b ||q_b|| rho_{j,b} of every valid, non-exact token; c = 0 at exact and at padding
-    tokens; cmax = max_j c_j. fp32 from an fp64 value y >= c_exact: fl32(y (1 + 2^-22)) >=
+    tokens; cmax = max_j c_j. valid: [B, N] (every row reads the same tokens) or [B, H, N] (one
+    mask per query row, attention_rows). fp32 from an fp64 value y >= c_exact: fl32(y (1 + 2^-22)) >=
     y (1 + 2^-22)(1 - u64)(1 - u32) - 2^-150 >= y - 2^-150 (rounding to nearest: relative u32
     above the least normal 2^-126, absolute 2^-150 below it; Float.v rn_ge_sub_of_nonneg).
     fp32 products fl32(kappa32 h_j) with kappa32 >= kappa (1 + 2^-22): the same argument, and
@@ -140,22 +141,28 @@ def witness_bounds(q, q64, k, rho, bands, s, valid, exact, dtype):
     B, H, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
     G = H // Hkv
+    rows = valid is not None and valid.dim() == 3  # a mask per query row
     if rho is None:  # integer cache, one scale per token and head: c_j = kappa h_j
         kappa = token_kappa64(q64, bands, s)
-        h = token_scale_h(k, valid, exact)
+        h = token_scale_h(k, None if rows else valid, exact)
         if dtype == torch.float64:
             c = up64(torch.from_numpy(kappa).to(q.device).view(B, Hkv, G, 1) * h.to(torch.float64).unsqueeze(2)).view(B, H, N)
+            if rows:
+                c = c.masked_fill(~valid, 0.0)
             return c, c.amax(-1)
         k1 = _up(kappa * (1 + 2.0 ** -22))
         k32 = k1.astype(np.float32)
         k32 = torch.from_numpy(np.where(k32 < k1, np.nextafter(k32, np.float32(np.inf)), k32)).to(q.device).view(B, Hkv, G, 1)
         c = (k32 * h.unsqueeze(2)).view(B, H, N)
+        if rows:
+            c = c.masked_fill(~valid, 0.0)
+            return c, c.amax(-1)
         return c, (k32 * h.amax(-1).view(B, Hkv, 1, 1)).view(B, H)
     c = logit_error_bound64(q, rho, bands, s)
     if exact is not None:
         c = c.masked_fill(exact.repeat_interleave(G, dim=1), 0.0)
     if valid is not None:
-        c = c.masked_fill(~valid.unsqueeze(1), 0.0)
+        c = c.masked_fill(~(valid if rows else valid.unsqueeze(1)), 0.0)
     if dtype == torch.float32:
         c = c.mul_(1 + 2.0 ** -22).to(torch.float32)
     return c, c.amax(-1)
@@ -172,8 +179,91 @@ def weighted_sums(w, c):
     return torch.cat([w.sum(-1, dtype=torch.float64).unsqueeze(0), t.sum(-1, dtype=torch.float64)])
 
 
-def attention_torch(q, k, v, rho, s, bands, valid, exact, certify=True):
+def _dense(t):
+    """What the torch twin multiplies with: (codes fp32 [B,Hkv,N,D], scale [B,Hkv,1,N]) for an int8
+    cache with one scale per token and head, else the dequantized fp32 tensor [B, Hkv, N, D]."""
+    ts = _token_scaled(t)
+    if ts is not None:
+        return ts
+    return dequantize(t) if isinstance(t, QTensor) else t.to(torch.float32)
+
+
+def _gamma32(n):
+    """gamma_n for fp32 (u = 2^-24), inf once n u >= 1/2 (no margin left to state)."""
+    nu = n * U32
+    return nu / (1 - nu) if nu < 0.5 else math.inf
+
+
+def value_info(v, v_err):
+    """What the output bound (math.md T5) needs from the value cache, once per call:
+    err [B, Hkv, N] fp64 (v_err, >= ||v_j - v~_j||, 0 at exact tokens), rad [B, Hkv, N] fp64
+    >= ||v~_j - centre|| (centre: the fp32 mean of v~ over the tokens; any centre gives
+    diam{v~} <= 2 max_j ||v~_j - centre||), vnorm [B, Hkv] fp64 >= ||vmax|| with vmax_i >=
+    max_j |v~_ji| (for the output's fp32 rounding). Norms: fast.core.certify.band_norms_up with
+    one band of all D coordinates (v~ - centre: a difference of two fp32 values)."""
+    _checks.tensor("v_err", v_err, ndim=3, dtypes=(torch.float32, torch.float16))
+    vshape = _cache_shape("v", v)
+    if tuple(v_err.shape) != vshape[:3]:
+        raise ValueError(f"v_err: shape {tuple(v_err.shape)}, expected {vshape[:3]}")
+    _checks.nonneg_finite("v_err", v_err)
+    D = vshape[3]
+    vd = dequantize(v) if isinstance(v, QTensor) else v.to(torch.float32)
+    centre = vd.mean(2, keepdim=True)
+    one_band = torch.arange(D, device=vd.device).unsqueeze(0)
+    rad = band_norms_up(vd.to(torch.float64) - centre.to(torch.float64), one_band)[..., 0]
+    vmax = max_abs(v)
+    vnorm = up64(torch.sqrt((vmax * vmax).sum(-1)) * (1 + 2 * gamma(D + 4)))
+    return {"err": v_err.to(torch.float64), "rad": rad, "vnorm": vnorm}
+
+
+def output_error_bound(w, valid, vinfo, tv, e, N, D):
+    """out_err [B, H] fp32 >= ||o - out||: o = sum_j p_j v_j the exact attention output (exact
+    keys and values), out the fp32 output served from the weights w [B, H, N] (fp32, 0 at masked
+    tokens) over v~. With p_w = w / sum w (the distribution the output is made of):
+      ||o - out|| <= ||o - sum p_w v~|| + ||sum p_w v~ - out||
+      ||o - sum p_w v~|| <= TV(p, p_w) diam{v} + sum_j p_w,j ||e_j||            (math.md T5a)
+      diam{v} <= diam{v~} + 2 max ||e_j|| <= 2 max ||v~_j - centre|| + 2 max ||e_j||  (T5b)
+      TV(p, p_w) <= TV(p, p^) + TV(p^, p_w) <= tv + r_w,
+    tv >= TV(softmax(x), softmax(x^)) (the certificate's min), and w_j = e^{x^_j - m} e^{theta_j}
+    with |theta_j| <= u32 T + 2 EXP32_EPS (the rounded difference x^_j - m, |x^_j - m| <= T, as in
+    fast.core.certify.forms_from_pmz; the fp32 exp) above the least normal number, absolute
+    error <= 2^-126 below it: since sum_j e^{x^_j - m} >= 1, TV(p^, p_w) <= sum |w - e^{x^-m}| /
+    sum e^{x^-m} <= expm1(theta) + N 2^-126 =: r_w. The output's fp32 arithmetic (a matmul with
+    N-term sums, and for a token-scaled int8 cache one product more, the sum of w, the division):
+    |out_i - (sum p_w v~)_i| <= (2 gamma_{N+2} + u32)(1.01) vmax_i (Higham 3.5, any order):
+    in norm <= 2.02 gamma_{N+2} ||vmax|| (+u32 inside the 1.01 factor, gamma_{N+2} >= 2 u32).
+    Maxima over the row's visible tokens only (valid: [B, N] or [B, H, N]). Terms nonnegative,
+    fp64, a dozen roundings: the final factor 1 + 2^-40, then rounded up to fp32."""
+    B, H, _ = w.shape
+    Hkv = vinfo["err"].shape[1]
+    G = H // Hkv
+    w64 = w.to(torch.float64).view(B, Hkv, G, N)
+    err = vinfo["err"]
+    S = torch.matmul(w64, err.unsqueeze(-1)).view(B, H)  # N products and an N-term sum in fp64
+    Z = w64.sum(-1).view(B, H)
+    spread = S * (1 + 2 * gamma(N + 2)) / (Z * (1 - 2 * gamma(N)))
+    if valid is None:
+        vis = torch.ones(B, 1, 1, N, dtype=torch.bool, device=w.device)
+    else:
+        vis = valid.view(B, 1, 1, N) if valid.dim() == 2 else valid.view(B, Hkv, G, N)
+    rmax = torch.where(vis, vinfo["rad"].unsqueeze(2), 0.0).amax(-1).expand(B, Hkv, G).reshape(B, H)
+    emax = torch.where(vis, err.unsqueeze(2), 0.0).amax(-1).expand(B, Hkv, G).reshape(B, H)
+    e64 = torch.from_numpy(np.asarray(e, dtype=np.float64)).to(w.device)
+    theta = U32 * torch.clamp(2 * e64 / ((D + 4) * U32), max=88.0) + 2 * EXP32_EPS
+    r_w = torch.expm1(theta) * (1 + 1e-9) + N * 2.0 ** -126
+    tv_w = torch.clamp(tv.to(torch.float64) + r_w, max=1.0)
+    arith = 2.02 * _gamma32(N + 2) * vinfo["vnorm"].repeat_interleave(G, dim=1)
+    bound = (tv_w * (2 * rmax + 2 * emax) + spread + arith) * (1 + 2.0 ** -40)
+    return up32(bound)
+
+
+def attention_torch(q, k, v, rho, s, bands, valid, exact, certify=True, dense=None, kmax=None, vinfo=None):
     """Torch twin. Returns out [B, H, D] fp32 and the fp32 certificate dict (or None).
+
+    valid: [B, N] (every row reads the same tokens), [B, H, N] (one mask per query row:
+    attention_rows flattens its rows into the head axis) or None. dense: (_dense(k), _dense(v))
+    when the caller already has them; kmax: max_abs(k); vinfo: value_info(v, v_err), which adds
+    the output bound "out_err" (math.md T5) to the certificate.
 
     Logits x^ = fl(fl(q . k~) s32); for an int8 cache with one scale per token the scale is
     applied to the dot product instead (fl(fl(fl(q . m) scale) s32), k~ = m scale exactly):
@@ -189,64 +279,162 @@ def attention_torch(q, k, v, rho, s, bands, valid, exact, certify=True):
     G = H // Hkv
     q32 = q.to(torch.float32).view(B, Hkv, G, D)
     s32 = torch.tensor(s, dtype=torch.float32)
-    ks = _token_scaled(k)
-    if ks is None:
-        kd = dequantize(k) if isinstance(k, QTensor) else k.to(torch.float32)
-        x = torch.matmul(q32, kd.transpose(-1, -2)) * s32
+    kx, vx = dense if dense is not None else (_dense(k), _dense(v))
+    if isinstance(kx, tuple):
+        x = torch.matmul(q32, kx[0].transpose(-1, -2)) * kx[1] * s32
     else:
-        x = torch.matmul(q32, ks[0].transpose(-1, -2)) * ks[1] * s32
+        x = torch.matmul(q32, kx.transpose(-1, -2)) * s32
     x = x.view(B, H, N)
     if not bool(torch.isfinite(x).all()):
         raise ValueError("k or q: non-finite logits (NaN/Inf in the key cache, or logits overflow fp32)")
-    vmask = None if valid is None else valid.view(B, 1, N)
+    vmask = None if valid is None else (valid.view(B, 1, N) if valid.dim() == 2 else valid)
     xm = x if vmask is None else x.masked_fill(~vmask, -torch.inf)
     w = torch.exp(xm - xm.amax(-1, keepdim=True))
-    vs = _token_scaled(v)
-    if vs is None:
-        vd = dequantize(v) if isinstance(v, QTensor) else v.to(torch.float32)
-        out = torch.matmul(w.view(B, Hkv, G, N), vd)
+    if isinstance(vx, tuple):
+        out = torch.matmul(w.view(B, Hkv, G, N) * vx[1], vx[0])
     else:
-        out = torch.matmul(w.view(B, Hkv, G, N) * vs[1], vs[0])
+        out = torch.matmul(w.view(B, Hkv, G, N), vx)
     out = out.view(B, H, D) / w.sum(-1, keepdim=True)
     if not bool(torch.isfinite(out).all()):
         raise ValueError("v: NaN/Inf in the value cache")
     if not certify:
         return out, None
     q64 = q.to(torch.float64).cpu().numpy()  # [B, H]-sized work runs in numpy
-    e = logit_rounding_np(q64, max_abs(k).cpu().numpy(), s)
+    e = logit_rounding_np(q64, (max_abs(k) if kmax is None else kmax).cpu().numpy(), s)
+    cert = None
     if N >= F32_MIN_N:
         c, cmax = witness_bounds(q, q64, k, rho, bands, s, valid, exact, torch.float32)
         if float(cmax.max()) + 2 * float(e.max()) < CMAX32:  # else forms_from_pmz would refuse the row
             cert = forms_from_pmz(weighted_sums(w, c), cmax, e, N, D, torch.float32)
-            if cert is not None:
-                return out, cert
-    c, cmax = witness_bounds(q, q64, k, rho, bands, s, valid, exact, torch.float64)
-    x64 = xm.to(torch.float64)
-    w64 = torch.exp(x64 - x64.amax(-1, keepdim=True))
-    return out, forms_from_pmz(weighted_sums(w64, c.clamp(max=SATURATE_C)), cmax, e, N, D, torch.float64)
+    if cert is None:
+        c, cmax = witness_bounds(q, q64, k, rho, bands, s, valid, exact, torch.float64)
+        x64 = xm.to(torch.float64)
+        w64 = torch.exp(x64 - x64.amax(-1, keepdim=True))
+        cert = forms_from_pmz(weighted_sums(w64, c.clamp(max=SATURATE_C)), cmax, e, N, D, torch.float64)
+    if vinfo is not None:
+        cert["out_err"] = output_error_bound(w, valid, vinfo, cert["min"], e, N, D)
+    return out, cert
 
 
-def decode_attention(q, k, v, rho, scale, *, bands, valid=None, exact=None, backend="auto", certify=True):
-    """Attention of one decode step and its certificate (math.md T2, T4, T8).
+def _check_rows(q, q_pos, k_pos, valid, N):
+    """[B, T, N] bool: row t reads token j iff valid[b, j] and k_pos[b, j] <= q_pos[b, t]."""
+    B, T = q.shape[:2]
+    _checks.tensor("q_pos", q_pos, ndim=2, dtypes=(torch.int64, torch.int32))
+    if tuple(q_pos.shape) != (B, T):
+        raise ValueError(f"q_pos: shape {tuple(q_pos.shape)}, expected {(B, T)}")
+    if k_pos is None:
+        k_pos = torch.arange(N, device=q.device).expand(B, N)
+    else:
+        _checks.tensor("k_pos", k_pos, ndim=2, dtypes=(torch.int64, torch.int32))
+        if tuple(k_pos.shape) != (B, N):
+            raise ValueError(f"k_pos: shape {tuple(k_pos.shape)}, expected {(B, N)}")
+    rows = k_pos.to(q.device).unsqueeze(1) <= q_pos.to(q.device).unsqueeze(2)  # [B, T, N]
+    if valid is not None:
+        rows &= valid.unsqueeze(1)
+    if not bool(rows.any(-1).all()):
+        b, t = (~rows.any(-1)).nonzero()[0].tolist()
+        raise ValueError(f"q_pos: row {t} of sequence {b} reads no valid key (every key is later or padding)")
+    return rows
+
+
+ROW_ELEMS = 1 << 22  # rows are processed in chunks of about this many [H, T, N] logits (memory O(T N) per head)
+
+
+def attention_rows(q, k, v, rho, scale, *, bands, q_pos, k_pos=None, valid=None, exact=None, certify=True,
+                   v_err=None, backend="auto"):
+    """Certified attention of T query rows per sequence over one cache (math.md T2, T4, T5, T8):
+    prefill chunks, a second turn, speculative verification; decode_attention is T = 1.
+
+    q: [B, T, H, D] post-RoPE rows; k, v: [B, Hkv, N, D] float or QTensor; rho, bands, exact: as
+    decode_attention; q_pos: [B, T] int absolute positions of the rows; k_pos: [B, N] positions
+    of the keys (default arange(N)); valid: bool [B, N]. Row t reads key j iff valid[b, j] and
+    k_pos[b, j] <= q_pos[b, t] (causal); every row must read at least one key.
+    v_err: optional [B, Hkv, N] fp32 upper bounds of ||v_j - v~_j|| (0 at exact tokens): adds
+    "out_err" >= ||o - out|| (math.md T5, output_error_bound).
+    Returns out [B, T, H, D] fp32 and a dict of [B, T, H] fp32 tensors (the keys of
+    decode_attention's certificate), or None when certify=False.
+
+    One certificate per (sequence, row, query head), exactly the decode certificate of that
+    row on its visible tokens: the rows are flattened into the GQA group axis (query head h,
+    row t -> h T + t), with a [B, H T, N] mask. Rows run in chunks of about ROW_ELEMS logits
+    per batch; keys and values are dequantized once. backend "triton" (or "auto" on CUDA)
+    runs one decode kernel per row (the kernel takes one mask per sequence).
+    """
+    _checks.tensor("q", q, ndim=4, dtypes=IN_DTYPES)
+    B, T, H, D = q.shape
+    if T == 0:
+        raise ValueError("q: no query rows (T = 0)")
+    q_flat = q.permute(0, 2, 1, 3).reshape(B, H * T, D)  # row (h, t) -> h T + t
+    s, bands, rho, valid, exact = _check_inputs(q_flat, k, v, rho, scale, bands, valid, exact)
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend: expected 'auto', 'torch' or 'triton', got {backend!r}")
+    N = k.shape[2]
+    rows = _check_rows(q, q_pos, k_pos, valid, N)
+    vinfo = value_info(v, v_err) if (certify and v_err is not None) else None
+    rho = _derive_rho(k, rho, bands, certify, backend, q)
+    if backend == "triton" or (backend == "auto" and q.is_cuda):
+        from fast.core import triton_kernels
+        outs, certs = [], []
+        for t in range(T):
+            o, c = triton_kernels.decode_attention(q[:, t], k, v, rho, s, bands, rows[:, t], exact, certify)
+            outs.append(o)
+            certs.append(c)
+            if vinfo is not None:  # the kernel keeps its weights: out_err from the torch twin of the row
+                c["out_err"] = attention_torch(q[:, t], k, v, rho, s, bands, rows[:, t], exact, True, vinfo=vinfo)[1]["out_err"]
+        out = torch.stack(outs, 1)
+        return out, (None if not certify else {key: torch.stack([c[key] for c in certs], 1) for key in certs[0]})
+    dense, kmax = (_dense(k), _dense(v)), (max_abs(k) if certify else None)
+    step = max(1, ROW_ELEMS // max(1, B * H * N))
+    outs, certs = [], []
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        Tc = t1 - t0
+        qc = q[:, t0:t1].permute(0, 2, 1, 3).reshape(B, H * Tc, D)
+        mask = rows[:, t0:t1].unsqueeze(1).expand(B, H, Tc, N).reshape(B, H * Tc, N)
+        o, c = attention_torch(qc, k, v, rho, s, bands, mask, exact, certify, dense=dense, kmax=kmax, vinfo=vinfo)
+        outs.append(o.view(B, H, Tc, D).permute(0, 2, 1, 3))
+        if certify:
+            certs.append({key: val.view(B, H, Tc).permute(0, 2, 1) for key, val in c.items()})
+    out = torch.cat(outs, 1).contiguous()
+    if not certify:
+        return out, None
+    return out, {key: torch.cat([c[key] for c in certs], 1).contiguous() for key in certs[0]}
+
+
+def _derive_rho(k, rho, bands, certify, backend, q):
+    """The zero-memory witness (T4) from the scales when none is given: O(N NB). For an int8/int4
+    cache with one scale per token and head on the torch path rho stays None: attention_torch
+    uses token_kappa64 (the same witness, O(N))."""
+    if certify and rho is None:
+        one_scale = k.scheme in QMAX and k.scales.shape[-1] == 1
+        if not one_scale or backend == "triton" or (backend == "auto" and q.is_cuda):
+            rho = witness_from_scales(k, bands) if k.scheme in QMAX else witness_from_step(k.step(), bands)
+    return rho
+
+
+def decode_attention(q, k, v, rho, scale, *, bands, valid=None, exact=None, backend="auto", certify=True, v_err=None):
+    """Attention of one decode step and its certificate (math.md T2, T4, T8): attention_rows with
+    T = 1 (one row per sequence, reading every valid token).
 
     q: [B, H, D] (post-RoPE); k, v: [B, Hkv, N, D] float or QTensor (dequantized inside);
     rho: [B, Hkv, N, NB] witness (fp32/fp16, or uint8 log codes), or None for the derived
     witness of a quantized k; scale: softmax scale; bands: [NB, D/NB] (rope_bands);
     valid: bool [B, N] (False = padding); exact: bool [B, Hkv, N] (c = 0: tokens held exactly).
     Returns out [B, H, D] fp32 and a dict of [B, H] fp32: A (up), B (down), max_c and
-    tanh, one_minus_b_over_a, e_form, min (each >= the exact form; min capped at 1).
+    tanh, one_minus_b_over_a, e_form, min (each >= the exact form; min capped at 1); with
+    v_err ([B, Hkv, N] >= ||v_j - v~_j||) also out_err >= ||o - out|| (math.md T5).
     backend: "auto" (Triton on CUDA, torch on CPU), "torch" or "triton".
     certify=False skips the certificate (the baseline of the meter-overhead benchmark).
     """
     s, bands, rho, valid, exact = _check_inputs(q, k, v, rho, scale, bands, valid, exact)
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend: expected 'auto', 'torch' or 'triton', got {backend!r}")
-    if certify and rho is None:  # the zero-memory witness (T4), from the scales: O(N NB)
-        one_scale = k.scheme in QMAX and k.scales.shape[-1] == 1
-        if not one_scale or backend == "triton" or (backend == "auto" and q.is_cuda):
-            rho = witness_from_scales(k, bands) if k.scheme in QMAX else witness_from_step(k.step(), bands)
-        # else: rho stays None and attention_torch uses token_scale_bound64 (same witness, O(N))
+    vinfo = value_info(v, v_err) if (certify and v_err is not None) else None
+    rho = _derive_rho(k, rho, bands, certify, backend, q)
     if backend == "triton" or (backend == "auto" and q.is_cuda):
         from fast.core import triton_kernels
-        return triton_kernels.decode_attention(q, k, v, rho, s, bands, valid, exact, certify)
-    return attention_torch(q, k, v, rho, s, bands, valid, exact, certify)
+        out, cert = triton_kernels.decode_attention(q, k, v, rho, s, bands, valid, exact, certify)
+        if vinfo is not None:
+            cert["out_err"] = attention_torch(q, k, v, rho, s, bands, valid, exact, True, vinfo=vinfo)[1]["out_err"]
+        return out, cert
+    return attention_torch(q, k, v, rho, s, bands, valid, exact, certify, vinfo=vinfo)
