@@ -54,3 +54,23 @@ def sum_upper_bound(computed, n, fmt="fp32"):
         raise ValueError("sum_upper_bound: a sum of nonnegative terms cannot be negative")
     with workprec(EXACT_BITS):
         return (iv.mpf(mpf(computed)) / (1 - gamma(n, fmt))).b
+
+
+# fp8 formats as Flocq's FLT_exp emin prec (proofs/FloatCast.v): precision with the hidden bit,
+# exponent of the smallest subnormal.
+FP8_FORMATS = {"fp8_e4m3": (4, -9), "fp8_e5m2": (3, -16)}
+
+
+def cast_error_bound(c, fmt, mode="nearest"):
+    """FloatCast.v: a bound on |c - y| from the cast result c alone, for y rounded to the fp8
+    format fmt: (2^(1-p) |c| + 2^emin) / 2 for round to nearest (cast_error_le_of_nearest),
+    2^(1-p) |c| + 2^emin for any other rounding, toward zero included
+    (cast_error_le_of_valid_rnd). Exact (powers of two times a binary number)."""
+    prec, emin = FP8_FORMATS[fmt]
+    with workprec(EXACT_BITS):
+        bound = ldexp(abs(mpf(c)), 1 - prec) + ldexp(mpf(1), emin)
+        if mode == "nearest":
+            return bound / 2
+        if mode == "toward_zero":
+            return bound
+        raise ValueError(f"mode: expected 'nearest' or 'toward_zero', got {mode!r}")
