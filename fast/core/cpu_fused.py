@@ -1,0 +1,368 @@
+"""Fused CPU read of an int8 KV cache with its certificate: one C++ call per read.
+
+Why a C++ extension (csrc/cpu_fused.cpp), built at first use with g++ into a cache directory:
+decode is memory-bound, and the torch twin (fast.core.attention.attention_torch) dequantizes
+the history into fp32, then makes separate passes for logits, softmax, witness bounds and sums
+(each a full-size temporary). The kernel reads each int8 key code once (pass 1: logits) and each
+value code and witness byte once (pass 2: weights, certificate sums, output), with only the
+[rows, N] logits as scratch. torch.compile was slower than eager on this path (issue 11), and
+the torch extension headers take minutes to compile on 2 cores; a plain C ABI (ctypes, raw
+pointers and strides) builds in seconds with no torch headers, so CI builds it from a clean
+clone. OpenMP threads come from the libgomp torch already loaded (same soname). The plain-torch
+twin stays the readable reference (fast.core.attention.attention_rows) and the fallback.
+
+    out, cert = cpu_fused.attention_rows(q, k, v, rho, scale, bands=..., q_pos=...)  # the contract
+    cpu_fused.available()                                                           # built and loadable?
+
+Supported: keys and values both int8 QTensor (scheme "int8", any group count) or both float;
+rho None (derived from the scales), fp32/fp16, or uint8 log codes. Anything else (int4, fp8,
+dither, kivi2, v_err) goes to the torch twin.
+
+The certificate: the same forms, from the same fast.core.certify.forms_from_pmz, as the twin.
+Re-derived here is only how Z, P = sum w expm1(c), M = sum w (1 - e^-c) are bounded: the kernel
+does not evaluate expm1 per term; it returns fp64 sums Z = sum w, S1 = sum w c^, S2 = sum w c^2
+(w the fp32 weights, c^ the fp32 witness bounds), and with cm >= max_j c_j:
+  (P1) expm1(c) <= c + c^2 (1/2 + cm e^cm / 6)   (Taylor remainder sum_{k>=3} c^k/k! <= c^3 e^c / 6, c <= cm),
+  (P2) expm1(c) <= c expm1(cm) / cm              (expm1(c)/c is nondecreasing),
+  (M1) 1 - e^-c <= g(c) = c - c^2 (1/2 - cm/6)   (e^-c >= 1 - c + c^2/2 - c^3/6, c^3 <= cm c^2), and g is
+       increasing on [0, cm] for every cm (g' >= 1 - c + c cm/3 > 0 since cm - cm^2/3 < 1), so an upper
+       bound of c may be put in; (M2) 1 - e^-c <= c; (M3) sum w (1 - e^-c) <= sum w = Z.
+So P <= min(A1 + A2 (1/2 + cm e^cm/6), A1 expm1(cm)/cm), M <= min(A1 - A2lo (1/2 - cm/6) [cm <= 3], A1, Z),
+A1 >= sum w c, A2 >= sum w c^2, A2lo <= sum (w c^ f)^2 / w ... (below), all in fp64 rounded outward.
+These bound the sums of the computed weights w over the exact witness bounds c; forms_from_pmz
+then adds, unchanged, its margin for w against the exact e^{x - m} and for the logit rounding e.
+The looseness against the twin's per-term expm1 is relative O(cm^2) (P1, M1): ~1e-3 at cm = 0.1.
+
+Floating point (math.md T8, matching csrc/cpu_fused.cpp line by line).
+- Logits: x = fl(fl(sum_g fl(scale_g fl(sum_{i in g} q_i m_i))) s): the group dot of |g| terms
+  (gamma_|g|, any order: omp simd reassociates), one rounding for the scale, ng - 1 additions, one
+  for s: gamma_{|g| + ng + 1} <= gamma_{D + 2} of s sum_i |q_i| |k~_i|, inside the twin's
+  e = s (D + 4) u (1.01) sum_i |q_i| kmax_i (fast.core.certify.logit_rounding). fp32 rows: gamma_{D+1}.
+  kmax from the kernel: 127 x the largest fp16 scale per channel (codes) and the largest |k| of fp32
+  rows; the same bound max_abs uses.
+- Weights: w = kv_exp(fl(x - m)), m the max over the readable tokens of the row (one max for all
+  chunks). kv_exp (Cody-Waite + degree-7 Taylor, fma) is checked EXHAUSTIVELY against fp64 exp on
+  every fp32 input in [-104, 0] (exp_check(), run by tests/test_cpu_fused.py): relative error
+  <= EXP32_EPS = 8 u32 where e^x >= 2^-126, absolute <= 2^-126 below (0 under -87.3365): the error
+  model forms_from_pmz assumes for torch.exp. Measured: see exp_check() in the test.
+- c^_j = fl(sum_b kappa_b rho_jb) by fma, nonnegative terms, no underflow (kappa >= 2^-60 and nonzero
+  rho >= 2^-64 are enforced; log codes are >= 2^-20): the exact sum of the fp32 arguments is
+  <= c^ / (1 - u32)^NB <= f c^, f = 1 + 2 NB u32; and kappa_b >= s ||q_b|| (band norms as
+  fast.core.certify.band_norms_up, product with s and the cast to fp32 rounded up), so the exact
+  witness bound c_j = s sum_b ||q_b|| rho_jb <= f c^_j, and cm = f max_j c^_j (rounded up) >= max c_j.
+- Sums (fp64, any tree): w c^ one rounding, w c^ c^ two; N terms: sum w c^ <= S1 (1 + 2 gamma_{N+1}),
+  sum w c^^2 <= S2 (1 + 2 gamma_{N+2}) and >= S2 (1 - 2 gamma_{N+2}) (u64). Then A1 = f S1 (1 + 2 gamma),
+  A2 = f^2 S2 (1 + 2 gamma), A2lo = f... no: M1 needs sum w g(f c^) = f sum w c^ - f^2 (1/2 - cm/6)
+  sum w c^^2, so the subtracted term uses S2 (1 - 2 gamma) (a lower bound) and the added one S1's
+  upper bound. Every fp64 expression after that is a handful of correctly rounded operations on
+  nonnegative numbers (one subtraction in M1, whose subtrahend is at most cm/2 of the minuend for
+  cm <= 1 and which is rounded up by the final factor): each result is multiplied by 1 + 2^-40 and
+  moved one ulp up (or down for the subtrahend), far above the <= 12 roundings involved.
+- Z = sum w exactly as the twin forms it (fp32 terms, fp64 sum): forms_from_pmz's own margins apply.
+- Output (not certified; T5 is separate): fp32 accumulation of w v~ per chunk, chunks summed in a fixed
+  order, divided by fl32(Z): within ~1e-6 relative of the twin (tests: assert_close rtol 2e-5).
+Rows with a large cm (forms_from_pmz refuses fp32 terms: max c_eff > CMAX32) are recomputed by
+the twin. NaN/Inf in q: ValueError before the call; in keys or scales: NaN logits flag ->
+ValueError; in values: non-finite output -> ValueError.
+"""
+
+import ctypes
+import hashlib
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fast.core import _checks
+from fast.core.certify import CMAX32, U32, U64, _up, forms_from_pmz, gamma, logit_rounding_np
+from fast.core.quant import CODE_MAX, QTensor
+
+SRC = Path(__file__).resolve().parent / "csrc" / "cpu_fused.cpp"
+FLAGS = ["-O3", "-g", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp", "-fopenmp-simd", "-fPIC", "-shared", "-std=c++17"]
+CHUNK = 512      # tokens per work item (pass 1 and 2 split the cache into (b, kv head, chunk) items)
+KAPPA_MIN = 2.0 ** -60
+RHO_MIN = 2.0 ** -64
+
+
+class _Seg(ctypes.Structure):
+    _fields_ = [(n, t) for n, t in [
+        ("k", ctypes.c_void_p), ("k_sb", ctypes.c_int64), ("k_sh", ctypes.c_int64),
+        ("ks", ctypes.c_void_p), ("ks_sb", ctypes.c_int64), ("ks_sh", ctypes.c_int64),
+        ("v", ctypes.c_void_p), ("v_sb", ctypes.c_int64), ("v_sh", ctypes.c_int64),
+        ("vs", ctypes.c_void_p), ("vs_sb", ctypes.c_int64), ("vs_sh", ctypes.c_int64),
+        ("rho", ctypes.c_void_p), ("r_sb", ctypes.c_int64), ("r_sh", ctypes.c_int64),
+        ("valid", ctypes.c_void_p), ("va_sb", ctypes.c_int64), ("va_sh", ctypes.c_int64),
+        ("exact", ctypes.c_void_p), ("ex_sb", ctypes.c_int64), ("ex_sh", ctypes.c_int64),
+        ("pos", ctypes.c_void_p), ("p_sb", ctypes.c_int64), ("p_sh", ctypes.c_int64),
+        ("n", ctypes.c_int64), ("is_int8", ctypes.c_int), ("rho_u8", ctypes.c_int)]]
+
+
+class _Args(ctypes.Structure):
+    _fields_ = [("B", ctypes.c_int64), ("T", ctypes.c_int64), ("H", ctypes.c_int64), ("Hkv", ctypes.c_int64),
+                ("D", ctypes.c_int64), ("NB", ctypes.c_int64), ("ngk", ctypes.c_int64), ("ngv", ctypes.c_int64),
+                ("s", ctypes.c_float), ("q", ctypes.c_void_p), ("qpos", ctypes.c_void_p), ("kappa", ctypes.c_void_p),
+                ("lut", ctypes.c_void_p), ("seg", _Seg * 2), ("out", ctypes.c_void_p), ("stats", ctypes.c_void_p),
+                ("kmax", ctypes.c_void_p), ("nanflag", ctypes.c_void_p), ("certify", ctypes.c_int),
+                ("threads", ctypes.c_int), ("chunk", ctypes.c_int64)]
+
+
+_LIB = []
+
+
+def _cache_dir():
+    d = os.environ.get("KVCERT_BUILD_DIR") or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvcert")
+    return Path(d)
+
+
+def build(verbose=False):
+    """Compile csrc/cpu_fused.cpp (once per source and flags) and return the .so path."""
+    src = SRC.read_bytes()
+    key = hashlib.sha256(src + " ".join(FLAGS).encode() + sys.version.encode()).hexdigest()[:16]
+    out = _cache_dir() / f"kvcert_fused_{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [os.environ.get("CXX", "g++"), *FLAGS, str(SRC), "-o", tmp]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"cpu_fused: build failed ({' '.join(cmd)}):\n{r.stderr[-2000:]}")
+    os.replace(tmp, out)  # atomic: concurrent builders agree
+    if verbose:
+        print(f"built {out}")
+    return out
+
+
+def _lib():
+    if not _LIB:
+        lib = ctypes.CDLL(str(build()))
+        lib.kvcert_fused_run.argtypes = [ctypes.POINTER(_Args)]
+        lib.kvcert_fused_run.restype = None
+        lib.kvcert_exp_check.argtypes = [ctypes.c_float, ctypes.POINTER(ctypes.c_double), ctypes.c_int]
+        lib.kvcert_exp_check.restype = ctypes.c_double
+        lib.kvcert_exp_one.argtypes = [ctypes.c_float]
+        lib.kvcert_exp_one.restype = ctypes.c_float
+        _LIB.append(lib)
+    return _LIB[0]
+
+
+def available():
+    """True when the extension builds (g++ with OpenMP) and loads here."""
+    try:
+        _lib()
+        return True
+    except (OSError, RuntimeError):
+        return False
+
+
+def exp_check(lo=-104.0, threads=None):
+    """Exhaustive check of the kernel's exp on every fp32 x in [lo, 0]: (largest relative error in
+    units of u32 = 2^-24 where e^x >= 2^-126, largest absolute error where e^x < 2^-126)."""
+    ab = ctypes.c_double()
+    rel = _lib().kvcert_exp_check(lo, ctypes.byref(ab), threads or torch.get_num_threads())
+    return rel, ab.value
+
+
+def exp_one(x):
+    return _lib().kvcert_exp_one(float(x))
+
+
+# ---- the certificate epilogue ----
+
+def _kappa32(q64, bands, s):
+    """kappa [B, T, H, NB] fp32 >= s ||q_b|| (and >= KAPPA_MIN), from q64 [B, T, H, D] numpy fp64."""
+    NB, W = bands.shape
+    qb = q64[..., bands]  # [B, T, H, NB, W]
+    norms = _up(np.sqrt((qb * qb).sum(-1)) * (1 + 2 * gamma(W + 4)))  # as certify.band_norms_up
+    k64 = np.maximum(_up(norms * s), KAPPA_MIN)
+    k32 = k64.astype(np.float32)
+    return np.where(k32 < k64, np.nextafter(k32, np.float32(np.inf)), k32)
+
+
+def _sums_to_pmz(stats, NB, N):
+    """[3, R, H] fp64 (Z, P up, M up) and cm [R, H] fp64 from the kernel stats [R, H, 4] (module doc)."""
+    z, s1, s2, cmc = (stats[..., i] for i in range(4))
+    f = 1 + 2 * NB * U32
+    g1, g2 = 2 * gamma(N + 1), 2 * gamma(N + 2)
+    up = 1 + 2.0 ** -40
+    cm = _up(_up(cmc * f) * up)
+    a1 = _up(s1 * f * (1 + g1) * up)
+    a2 = _up(s2 * f * f * (1 + g2) * up)
+    a2lo = np.nextafter(s2 * f * f * (1 - g2) / up, -np.inf)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        em = np.expm1(np.minimum(cm, 700.0)) * (1 + 8 * U64)
+        p1 = _up((a1 + a2 * (0.5 + cm * (em + 1) / 6)) * up)
+        p2 = np.where(cm > 0, _up(a1 * _up(em / cm) * up), 0.0)
+        p = np.minimum(p1, p2)
+        coef = (0.5 - cm / 6) / up - 2.0 ** -50  # rounded down
+        m1 = np.where(coef > 0, _up((a1 - a2lo * np.maximum(coef, 0.0)) * up), a1)
+        m = np.minimum(np.minimum(m1, a1), _up(z * (1 + g1) * up))
+    p = np.where(np.isfinite(p), p, np.inf)
+    return np.stack([z, p, m]), cm
+
+
+def _run(q, qpos, segs, s, bands, NB, ngk, ngv, certify, lut=None):
+    """Call the kernel. q [B, T, H, D] fp32 contiguous; qpos [B, T] int32; segs: two dicts of
+    tensors (see _seg). Returns out [B, T, H, D], stats [B, T, H, 4] fp64, kmax [B, Hkv, 2, D]."""
+    B, T, H, D = q.shape
+    Hkv = segs[0]["Hkv"]
+    out = torch.empty(B, T, H, D, dtype=torch.float32)
+    stats = torch.empty(B, T, H, 4, dtype=torch.float64)
+    kmax = torch.empty(B, Hkv, 2, D, dtype=torch.float32)
+    nan = torch.zeros(1, dtype=torch.float32)
+    a = _Args(B, T, H, Hkv, D, NB, ngk, ngv, s, q.data_ptr(), qpos.data_ptr(), 0, 0)
+    keep = []
+    if certify:
+        q64 = q.to(torch.float64).numpy()
+        kappa = torch.from_numpy(np.ascontiguousarray(_kappa32(q64, bands.numpy(), s)))
+        keep.append(kappa)
+        a.kappa = kappa.data_ptr()
+        if lut is not None:
+            a.lut = lut.data_ptr()
+    for i, sg in enumerate(segs):
+        a.seg[i] = sg["c"]
+    a.out, a.stats, a.kmax, a.nanflag = out.data_ptr(), stats.data_ptr(), kmax.data_ptr(), nan.data_ptr()
+    a.certify, a.threads, a.chunk = int(certify), torch.get_num_threads(), CHUNK
+    _lib().kvcert_fused_run(ctypes.byref(a))
+    if not math.isfinite(float(nan)):
+        raise ValueError("k or q: non-finite logits (NaN/Inf in the key cache or its scales, or logits overflow fp32)")
+    if not bool(torch.isfinite(out).all()):
+        raise ValueError("v: NaN/Inf in the value cache")
+    return out, stats, kmax, (q64 if certify else None)
+
+
+def _certificate(q64, stats, kmax, s, NB, N, D, Hkv):
+    """The fp32 certificate dict [B, T, H] (fast.core.certify.forms_from_pmz), or None when a row
+    needs the twin's fp64 terms (max c_eff > CMAX32)."""
+    B, T, H, _ = q64.shape
+    km = kmax.to(torch.float64).numpy()
+    kmax64 = np.maximum(km[:, :, 0] * CODE_MAX["int8"] * (1 + 2.0 ** -23), km[:, :, 1])  # [B, Hkv, D]
+    e = logit_rounding_np(q64.reshape(B * T, H, D), np.repeat(kmax64, T, axis=0), s)  # [B T, H]
+    sums, cm = _sums_to_pmz(stats.numpy().reshape(B * T, H, 4), NB, N)
+    if float(cm.max()) + 2 * float(e.max()) >= CMAX32:
+        return None
+    cert = forms_from_pmz(torch.from_numpy(sums), torch.from_numpy(cm), e, N, D, torch.float32)
+    if cert is None:
+        return None
+    return {key: val.view(B, T, H) for key, val in cert.items()}
+
+
+# ---- segments ----
+
+def _strides(t, name):
+    """(base, b-stride, h-stride) in elements for t [B, Hkv, N, ...] with each (b, h) block contiguous."""
+    if t.numel() and not t[0, 0].is_contiguous():
+        raise ValueError(f"{name}: each [N, ...] block must be contiguous")
+    return t.data_ptr(), t.stride(0) if t.shape[0] > 1 else 0, t.stride(1) if t.shape[1] > 1 else 0
+
+
+def seg(Hkv, n, *, k=None, v=None, k_scales=None, v_scales=None, rho=None, valid=None, exact=None, pos=None):
+    """One kernel segment: keys/values int8 codes (+ fp16 scales [.., N, ng]) or fp32 rows [B, Hkv, N, D];
+    rho [B, Hkv, N, NB] uint8 log codes or fp32 (None: c = 0, exact tokens); valid / exact uint8
+    [B, Hkv, N] (stride 0 broadcasts); pos int32 [B, Hkv, N] (None: storage index). Tensors are kept
+    alive by the returned dict."""
+    c = _Seg()
+    c.n = n
+    keep = {"Hkv": Hkv, "c": c}
+    if n == 0:
+        return keep
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype == torch.int8:
+            c.is_int8 = 1
+        elif t.dtype != torch.float32:
+            raise ValueError(f"{name}: int8 codes or fp32 rows, got {t.dtype}")
+        p, sb, sh = _strides(t, name)
+        setattr(c, name, p)
+        setattr(c, f"{name}_sb", sb)
+        setattr(c, f"{name}_sh", sh)
+        keep[name] = t
+    if (k.dtype == torch.int8) != (v.dtype == torch.int8):
+        raise ValueError("k and v: both int8 codes or both fp32 rows")
+    for name, t, f in (("ks", k_scales, "ks"), ("vs", v_scales, "vs"), ("rho", rho, "r"),
+                       ("valid", valid, "va"), ("exact", exact, "ex"), ("pos", pos, "p")):
+        if t is None:
+            continue
+        p, sb, sh = _strides(t, name)
+        setattr(c, name, p)
+        setattr(c, f"{f}_sb", sb)
+        setattr(c, f"{f}_sh", sh)
+        keep[name] = t
+    if rho is not None:
+        c.rho_u8 = int(rho.dtype == torch.uint8)
+    return keep
+
+
+# ---- the attention_rows contract ----
+
+def _supported(k, v, v_err):
+    D = k.shape[-1]
+    if v_err is not None or D % 8 or D > 512:
+        return False
+    if isinstance(k, QTensor) and isinstance(v, QTensor):
+        return k.scheme == "int8" and v.scheme == "int8" and k.codes.device.type == "cpu"
+    if isinstance(k, QTensor) or isinstance(v, QTensor):
+        return False
+    return k.device.type == "cpu" and k.dtype == torch.float32 and v.dtype == torch.float32
+
+
+def attention_rows(q, k, v, rho, scale, *, bands, q_pos, k_pos=None, valid=None, exact=None, certify=True, v_err=None):
+    """fast.core.attention.attention_rows (same arguments, same result up to fp32 rounding of the
+    output; certificate >= the exact formula, see module doc) through the fused kernel; inputs it
+    does not cover, and rows with max c_eff > CMAX32, go to the torch twin."""
+    from fast.core import attention as ref
+    if not (_supported(k, v, v_err) and available()):
+        return ref.attention_rows(q, k, v, rho, scale, bands=bands, q_pos=q_pos, k_pos=k_pos, valid=valid,
+                                  exact=exact, certify=certify, v_err=v_err, backend="torch")
+    _checks.tensor("q", q, ndim=4, dtypes=ref.IN_DTYPES)
+    B, T, H, D = q.shape
+    if T == 0:
+        raise ValueError("q: no query rows (T = 0)")
+    q_flat = q.permute(0, 2, 1, 3).reshape(B, H * T, D)
+    s, bands, rho, valid, exact = ref._check_inputs(q_flat, k, v, rho, scale, bands, valid, exact)
+    N = k.shape[2]
+    ref._check_rows(q, q_pos, k_pos, valid, N)  # every row reads a key: else ValueError
+    Hkv = k.shape[1]
+    NB = bands.shape[0]
+    lut = None
+    if certify:
+        if rho is None:
+            from fast.core.witness import witness_from_scales
+            rho = witness_from_scales(k, bands)
+        if rho.dtype == torch.uint8:
+            from fast.core.witness import _log_table
+            lut = _log_table("cpu").to(torch.float32).contiguous()
+        else:
+            rho = rho.to(torch.float32)
+            rho = torch.where((rho > 0) & (rho < RHO_MIN), torch.full_like(rho, RHO_MIN), rho).contiguous()
+    else:
+        rho = None
+    big = 2 ** 31 - 1
+    if k_pos is not None and (int(k_pos.min()) < -big or int(k_pos.max()) > big) or int(q_pos.min()) < -big or int(q_pos.max()) > big:
+        raise ValueError("q_pos / k_pos: positions must fit int32")
+    u8 = lambda t: None if t is None else t.to(torch.uint8).contiguous()
+    va = None if valid is None else u8(valid).view(B, 1, N).expand(B, Hkv, N)
+    pos = None if k_pos is None else k_pos.to(torch.int32).contiguous().view(B, 1, N).expand(B, Hkv, N)
+    if isinstance(k, QTensor):
+        kc, vc = k.codes.contiguous(), v.codes.contiguous()
+        ks, vs = k.scales.contiguous().view(torch.int16), v.scales.contiguous().view(torch.int16)
+        ngk, ngv = ks.shape[-1], vs.shape[-1]
+    else:
+        kc, vc, ks, vs, ngk, ngv = k.contiguous(), v.contiguous(), None, None, 1, 1
+    s0 = seg(Hkv, N, k=kc, v=vc, k_scales=ks, v_scales=vs, rho=rho, valid=va, exact=u8(exact), pos=pos)
+    s1 = seg(Hkv, 0)
+    qf = q.to(torch.float32).contiguous()
+    out, stats, kmax, q64 = _run(qf, q_pos.to(torch.int32).contiguous(), [s0, s1], s, bands.cpu(), NB, ngk, ngv, certify, lut)
+    if not certify:
+        return out, None
+    cert = _certificate(q64, stats, kmax, s, NB, N, D, Hkv)
+    if cert is None:  # a row with a large witness: the twin's fp64 terms
+        return ref.attention_rows(q, k, v, rho, scale, bands=bands, q_pos=q_pos, k_pos=k_pos, valid=valid,
+                                  exact=exact, certify=True, backend="torch")
+    return out, cert

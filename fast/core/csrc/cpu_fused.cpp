@@ -1,0 +1,378 @@
+// Fused CPU read of a compressed KV cache: logits from the int8 codes, softmax weights, the
+// certificate sums and the output, two passes over the cache (K codes, then V codes and the
+// witness), no fp32 copy of the history. The floating-point argument is in
+// fast/core/cpu_fused.py (module doc); this file must match it line by line:
+//   logits  x = fl(fl(sum_g fl(scale_g * fl(sum_{i in g} q_i m_i))) * s)   (or fl(q . k) s for fp32 rows)
+//   weights w = kv_exp(fl(x - m))                                           (kv_exp: exhaustively checked)
+//   c       = fl(sum_b kappa_b rho_b)                                       (fp32, nonnegative terms)
+//   sums    Z = sum w, S1 = sum w c, S2 = sum w c c                         (fp64 products and sums)
+// Compiled with -ffp-contract=off (and -fno-trapping-math, which only lets selects vectorize): every fused multiply-add is an explicit std::fma, so the
+// scalar kv_exp checked by kv_exp_check is bit for bit the one the kernel runs.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+
+constexpr float LOG2E = 1.44269504088896341f;
+constexpr float MAGIC = 12582912.0f;          // 1.5 * 2^23: x + MAGIC - MAGIC rounds x to an integer
+constexpr float LN2_HI = 0.693145751953125f;  // 16 significant bits: n * LN2_HI exact for |n| < 2^8
+constexpr float LN2_LO = 1.42860682030941723212e-6f;
+constexpr float X_MIN = -87.33654f;            // below this, e^x < 2^-126: kv_exp returns 0
+
+inline float kv_exp(float x) {
+    // e^x for x <= 0 (x = fl(x_j - m)): Cody-Waite reduction x = n ln2 + r, |r| <~ ln2/2, and the
+    // degree-7 Taylor polynomial of e^r (truncation < 1e-8 relative) in Horner form with fma.
+    float xc = std::max(x, X_MIN);
+    float t = std::fma(xc, LOG2E, MAGIC);
+    float fn = t - MAGIC;
+    float r = std::fma(-fn, LN2_HI, xc);
+    r = std::fma(-fn, LN2_LO, r);
+    float p = 1.0f / 5040.0f;
+    p = std::fma(p, r, 1.0f / 720.0f);
+    p = std::fma(p, r, 1.0f / 120.0f);
+    p = std::fma(p, r, 1.0f / 24.0f);
+    p = std::fma(p, r, 1.0f / 6.0f);
+    p = std::fma(p, r, 0.5f);
+    p = std::fma(p, r, 1.0f);
+    p = std::fma(p, r, 1.0f);
+    int32_t bits = ((int32_t)fn + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, 4);
+    float y = p * scale;
+    return x >= X_MIN ? y : 0.0f;
+}
+
+inline float half_to_float(uint16_t h) {
+    // exact IEEE binary16 -> binary32
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    uint32_t bits;
+    if (e == 0) {
+        if (m == 0) {
+            bits = sign;
+        } else {  // subnormal: m 2^-24, exact in fp32
+            float f = (float)m * 5.9604644775390625e-8f;
+            std::memcpy(&bits, &f, 4);
+            bits |= sign;
+        }
+    } else if (e == 31) {
+        bits = sign | 0x7f800000u | (m << 13);
+    } else {
+        bits = sign | ((e + 112) << 23) | (m << 13);
+    }
+    float out;
+    std::memcpy(&out, &bits, 4);
+    return out;
+}
+
+struct Seg {
+    // One segment of the cache, one (b, kvh) block = base + b * sb + h * sh, tokens contiguous.
+    const void* k; int64_t k_sb, k_sh;      // int8 codes [.., N, D] or fp32 rows [.., N, D]
+    const uint16_t* ks; int64_t ks_sb, ks_sh;  // fp16 scales [.., N, ngk] (int8 only)
+    const void* v; int64_t v_sb, v_sh;
+    const uint16_t* vs; int64_t vs_sb, vs_sh;
+    const void* rho; int64_t r_sb, r_sh;    // witness [.., N, NB]: uint8 log codes (lut) or fp32; null = exact (c = 0)
+    const uint8_t* valid; int64_t va_sb, va_sh;  // [.., N] (1 = readable); null = all
+    const uint8_t* exact; int64_t ex_sb, ex_sh;  // [.., N] (1 = held exactly: c = 0); null = none
+    const int32_t* pos; int64_t p_sb, p_sh;      // [.., N] key positions; null = pos0 + j
+    int64_t n;
+    int is_int8;
+    int rho_u8;
+};
+
+struct Args {
+    int64_t B, T, H, Hkv, D, NB, ngk, ngv;
+    float s;
+    const float* q;       // [B, T, H, D]
+    const int32_t* qpos;  // [B, T]
+    const float* kappa;   // [B, T, H, NB] (null when certify = 0)
+    const float* lut;     // [256]
+    Seg seg[2];           // 0: quantized, 1: exact fp32
+    float* out;           // [B, T, H, D]
+    double* stats;        // [B, T, H, 4]: Z, S1, S2, max c
+    float* kmax;          // [B, Hkv, 2, D]: per channel max fp16 scale (codes), max |k| (fp32 rows)
+    float* nanflag;       // [1]: NaN when a logit is not finite
+    int certify;
+    int threads;
+    int64_t chunk;
+};
+
+inline int64_t tok_pos(const Seg& sg, int64_t b, int64_t h, int64_t j, int64_t pos0) {
+    return sg.pos ? (int64_t)sg.pos[b * sg.p_sb + h * sg.p_sh + j] : pos0 + j;
+}
+
+void run(const Args& a) {
+    const int64_t B = a.B, T = a.T, H = a.H, Hkv = a.Hkv, D = a.D, NB = a.NB;
+    const int64_t G = H / Hkv, R = T * G;
+    const int64_t N0 = a.seg[0].n, N1 = a.seg[1].n, N = N0 + N1;
+    const int64_t CH = a.chunk;
+    const int64_t nch = (N + CH - 1) / CH;
+    const int64_t items = B * Hkv * nch;
+    static thread_local std::vector<float> logits, pmax, pout, pkmax, pnan;
+    static thread_local std::vector<uint8_t> okmask;
+    static thread_local std::vector<double> psum;
+    logits.resize((size_t)(B * Hkv * R * N));
+    okmask.resize((size_t)(B * Hkv * R * N));
+    pmax.resize((size_t)(items * R));
+    pout.resize((size_t)(items * R * D));
+    psum.resize((size_t)(items * R * 4));
+    pkmax.resize((size_t)(items * 2 * D));
+    pnan.resize((size_t)items);
+    // raw pointers: inside the parallel regions a thread_local name would be the worker's own
+    float* LG = logits.data();
+    uint8_t* OK = okmask.data();
+    float* PMAX = pmax.data();
+    float* POUT = pout.data();
+    double* PSUM = psum.data();
+    float* PKMAX = pkmax.data();
+    float* PNAN = pnan.data();
+    const int64_t gk = D / a.ngk, gv = D / a.ngv;
+
+    // ---- pass 1: logits (reads the key codes once) ----
+#pragma omp parallel for schedule(static) num_threads(a.threads)
+    for (int64_t it = 0; it < items; ++it) {
+        const int64_t b = it / (Hkv * nch), h = (it / nch) % Hkv, c = it % nch;
+        const int64_t j0 = c * CH, j1 = std::min(N, j0 + CH);
+        float* lg = LG + (b * Hkv + h) * R * N;
+        float* km = PKMAX + it * 2 * D;  // [0, D): max scale, [D, 2D): max |k| of fp32 rows
+        for (int64_t d = 0; d < 2 * D; ++d) km[d] = 0.0f;
+        float nan_acc = 0.0f;
+        std::vector<float> qr((size_t)(R * D));
+        for (int64_t t = 0; t < T; ++t)
+            for (int64_t g = 0; g < G; ++g)
+                std::memcpy(&qr[(t * G + g) * D], a.q + ((b * T + t) * H + h * G + g) * D, D * 4);
+        float kf[512];
+        uint8_t* okr = OK + (b * Hkv + h) * R * N;  // readable mask, reused by pass 2
+        for (int64_t j = j0; j < j1; ++j) {
+            const bool quant = j < N0;
+            const Seg& sg = a.seg[quant ? 0 : 1];
+            const int64_t jj = quant ? j : j - N0;
+            const float* kr;
+            if (quant && sg.is_int8) {
+                // k~ = code * scale, exact in fp32 (8-bit code, 11-bit scale): the row the twin multiplies
+                const int8_t* code = (const int8_t*)sg.k + b * sg.k_sb + h * sg.k_sh + jj * D;
+                const uint16_t* sc = sg.ks + b * sg.ks_sb + h * sg.ks_sh + jj * a.ngk;
+                for (int64_t g = 0; g < a.ngk; ++g) {
+                    const float sv = half_to_float(sc[g]);
+#pragma omp simd
+                    for (int64_t d = g * gk; d < (g + 1) * gk; ++d) {
+                        kf[d] = (float)code[d] * sv;
+                        km[d] = std::max(km[d], sv);
+                    }
+                }
+                kr = kf;
+            } else {
+                kr = (const float*)sg.k + b * sg.k_sb + h * sg.k_sh + jj * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; ++d) km[D + d] = std::max(km[D + d], std::fabs(kr[d]));
+            }
+            const bool vj = !sg.valid || sg.valid[b * sg.va_sb + h * sg.va_sh + jj];
+            const int64_t pj = tok_pos(sg, b, h, jj, quant ? 0 : N0);
+            for (int64_t r = 0; r < R; ++r) {
+                // fl(q . k~): 8 lane accumulators, then a fixed tree (any order is inside gamma_D)
+                const float* qq = &qr[r * D];
+                float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                for (int64_t d = 0; d < D; d += 8)
+                    for (int l = 0; l < 8; ++l) acc[l] = std::fma(qq[d + l], kr[d + l], acc[l]);
+                const float x = (((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))) * a.s;
+                lg[r * N + j] = x;
+                nan_acc += x * 0.0f;
+                okr[r * N + j] = vj && pj <= a.qpos[b * T + r / G];
+            }
+        }
+        // row maxima over the readable tokens of this chunk
+        float* pm = PMAX + it * R;
+        for (int64_t r = 0; r < R; ++r) {
+            float m = -INFINITY;
+            const float* x = lg + r * N;
+            const uint8_t* o = okr + r * N;
+#pragma omp simd reduction(max : m)
+            for (int64_t j = j0; j < j1; ++j) m = std::max(m, o[j] ? x[j] : -INFINITY);
+            pm[r] = m;
+        }
+        PNAN[it] = nan_acc;
+    }
+
+    // ---- pass 2: weights, certificate sums, output (reads the value codes and the witness once) ----
+#pragma omp parallel for schedule(static) num_threads(a.threads)
+    for (int64_t it = 0; it < items; ++it) {
+        const int64_t b = it / (Hkv * nch), h = (it / nch) % Hkv, c = it % nch;
+        const int64_t j0 = c * CH, j1 = std::min(N, j0 + CH);
+        const int64_t L = j1 - j0;
+        float* lg = LG + (b * Hkv + h) * R * N;
+        std::vector<float> cj((size_t)(a.certify ? L : 0)), rt((size_t)(a.certify ? NB * L : 0));
+        const uint8_t* okr = OK + (b * Hkv + h) * R * N + j0;
+        // the global row max (all chunks of this (b, h)): a fixed order, the same in every item
+        std::vector<float> mrow((size_t)R);
+        for (int64_t r = 0; r < R; ++r) {
+            float m = -INFINITY;
+            for (int64_t cc = 0; cc < nch; ++cc) m = std::max(m, PMAX[((b * Hkv + h) * nch + cc) * R + r]);
+            mrow[r] = m;
+        }
+        // weights in place of the logits: w = kv_exp(fl(x - m)), 0 where the row does not read the token
+        for (int64_t r = 0; r < R; ++r) {
+            float* x = lg + r * N + j0;
+            const uint8_t* o = okr + r * N;
+            const float m = mrow[r];
+#pragma omp simd
+            for (int64_t j = 0; j < L; ++j) {
+                x[j] = o[j] ? kv_exp(x[j] - m) : 0.0f;
+            }
+        }
+        double* ps = PSUM + it * R * 4;
+        if (a.certify) {
+            // the witness of the chunk once, band-major: rt[k][j] = rho_jk (0 at exact and fp32-segment tokens)
+            const Seg& sg = a.seg[0];
+            std::fill(rt.begin(), rt.begin() + NB * L, 0.0f);
+            for (int64_t j = j0; j < std::min(j1, N0); ++j) {
+                if (!sg.rho || (sg.exact && sg.exact[b * sg.ex_sb + h * sg.ex_sh + j])) continue;
+                if (sg.rho_u8) {
+                    const uint8_t* rc = (const uint8_t*)sg.rho + b * sg.r_sb + h * sg.r_sh + j * NB;
+                    for (int64_t k = 0; k < NB; ++k) rt[k * L + (j - j0)] = a.lut[rc[k]];
+                } else {
+                    const float* rf = (const float*)sg.rho + b * sg.r_sb + h * sg.r_sh + j * NB;
+                    for (int64_t k = 0; k < NB; ++k) rt[k * L + (j - j0)] = rf[k];
+                }
+            }
+            for (int64_t r = 0; r < R; ++r) {
+                const int64_t t = r / G, hq = h * G + r % G;
+                const float* kap = a.kappa + ((b * T + t) * H + hq) * NB;
+                float* cr = &cj[0];
+                // c_j = fl(sum_b kappa_b rho_jb), fma in band order b = 0..NB-1
+                std::fill(cr, cr + L, 0.0f);
+                for (int64_t k = 0; k < NB; ++k) {
+                    const float kk = kap[k];
+                    const float* rk = &rt[k * L];
+#pragma omp simd
+                    for (int64_t j = 0; j < L; ++j) cr[j] = std::fma(kk, rk[j], cr[j]);
+                }
+                const float* w = lg + r * N + j0;
+                const uint8_t* o = okr + r * N;
+                double z = 0.0, s1 = 0.0, s2 = 0.0;
+                float cm = 0.0f;
+#pragma omp simd reduction(+ : z, s1, s2) reduction(max : cm)
+                for (int64_t j = 0; j < L; ++j) {
+                    const double wd = (double)w[j], cd = (double)cr[j];
+                    const double wc = wd * cd;
+                    z += wd;
+                    s1 += wc;
+                    s2 += wc * cd;
+                    cm = std::max(cm, o[j] ? cr[j] : 0.0f);
+                }
+                ps[r * 4 + 0] = z; ps[r * 4 + 1] = s1; ps[r * 4 + 2] = s2; ps[r * 4 + 3] = (double)cm;
+            }
+        } else {
+            for (int64_t r = 0; r < R; ++r) {
+                const float* w = lg + r * N + j0;
+                double z = 0.0;
+#pragma omp simd reduction(+ : z)
+                for (int64_t j = 0; j < L; ++j) z += (double)w[j];
+                ps[r * 4 + 0] = z; ps[r * 4 + 1] = 0.0; ps[r * 4 + 2] = 0.0; ps[r * 4 + 3] = 0.0;
+            }
+        }
+        // output: o_r += w_rj v~_j (v~ = code * scale, exact in fp32)
+        float* po = POUT + it * R * D;
+        std::fill(po, po + R * D, 0.0f);
+        float vf[512];
+        for (int64_t j = j0; j < j1; ++j) {
+            const bool quant = j < N0;
+            const Seg& sg = a.seg[quant ? 0 : 1];
+            const int64_t jj = quant ? j : j - N0;
+            const float* vr;
+            if (quant && sg.is_int8) {
+                const int8_t* code = (const int8_t*)sg.v + b * sg.v_sb + h * sg.v_sh + jj * D;
+                const uint16_t* sc = sg.vs + b * sg.vs_sb + h * sg.vs_sh + jj * a.ngv;
+                for (int64_t g = 0; g < a.ngv; ++g) {
+                    const float sv = half_to_float(sc[g]);
+#pragma omp simd
+                    for (int64_t d = g * gv; d < (g + 1) * gv; ++d) vf[d] = (float)code[d] * sv;
+                }
+                vr = vf;
+            } else {
+                vr = (const float*)sg.v + b * sg.v_sb + h * sg.v_sh + jj * D;
+            }
+            for (int64_t r = 0; r < R; ++r) {
+                const float w = lg[r * N + j];
+                if (w == 0.0f) continue;
+                float* orow = po + r * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; ++d) orow[d] = std::fma(w, vr[d], orow[d]);
+            }
+        }
+    }
+
+    // ---- reduce the chunks (fixed order) ----
+    float nan_all = 0.0f;
+    for (int64_t it = 0; it < items; ++it) nan_all += PNAN[it];
+    a.nanflag[0] = nan_all;
+    for (int64_t b = 0; b < B; ++b) {
+        for (int64_t h = 0; h < Hkv; ++h) {
+            float* km = a.kmax + (b * Hkv + h) * 2 * D;
+            for (int64_t d = 0; d < 2 * D; ++d) km[d] = 0.0f;
+            for (int64_t c = 0; c < nch; ++c) {
+                const float* p = PKMAX + ((b * Hkv + h) * nch + c) * 2 * D;
+                for (int64_t d = 0; d < 2 * D; ++d) km[d] = std::max(km[d], p[d]);
+            }
+            for (int64_t r = 0; r < R; ++r) {
+                const int64_t t = r / G, hq = h * G + r % G;
+                double z = 0.0, s1 = 0.0, s2 = 0.0, cm = 0.0;
+                float* o = a.out + ((b * T + t) * H + hq) * D;
+                for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
+                for (int64_t c = 0; c < nch; ++c) {
+                    const int64_t it = (b * Hkv + h) * nch + c;
+                    const double* ps = PSUM + (it * R + r) * 4;
+                    z += ps[0]; s1 += ps[1]; s2 += ps[2]; cm = std::max(cm, ps[3]);
+                    const float* po = POUT + (it * R + r) * D;
+                    for (int64_t d = 0; d < D; ++d) o[d] += po[d];
+                }
+                const float zf = (float)z;
+                for (int64_t d = 0; d < D; ++d) o[d] = o[d] / zf;
+                double* st = a.stats + ((b * T + t) * H + hq) * 4;
+                st[0] = z; st[1] = s1; st[2] = s2; st[3] = cm;
+            }
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+int kvcert_fused_abi() { return 1; }
+
+void kvcert_fused_run(const Args* a) { run(*a); }
+
+// Exhaustive check of kv_exp against fp64 exp on every fp32 x in [lo, 0]: returns the largest
+// |kv_exp(x) - e^x| / e^x over x with e^x >= 2^-126 (in units of 2^-24), and in *abs_max the
+// largest |kv_exp(x) - e^x| over x with e^x < 2^-126 (must stay <= 2^-126).
+double kvcert_exp_check(float lo, double* abs_max, int threads) {
+    uint32_t lo_bits;
+    std::memcpy(&lo_bits, &lo, 4);
+    const uint32_t first = 0x80000000u;  // -0.0
+    const int64_t count = (int64_t)lo_bits - (int64_t)first + 1;
+    double rel = 0.0, ab = 0.0;
+    const double tiny = std::ldexp(1.0, -126);
+#pragma omp parallel for reduction(max : rel, ab) schedule(static) num_threads(threads)
+    for (int64_t i = 0; i < count; ++i) {
+        uint32_t bits = first + (uint32_t)i;
+        float x;
+        std::memcpy(&x, &bits, 4);
+        const double e = std::exp((double)x);
+        const double y = (double)kv_exp(x);
+        const double err = std::fabs(y - e);
+        if (e >= tiny) rel = std::max(rel, err / e);
+        else ab = std::max(ab, err);
+    }
+    *abs_max = ab;
+    return rel * 16777216.0;
+}
+
+float kvcert_exp_one(float x) { return kv_exp(x); }
+}

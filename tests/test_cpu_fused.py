@@ -1,0 +1,213 @@
+"""fast.core.cpu_fused (the fused C++ read) against the torch twin and the exact reference.
+
+Differential (fused vs twin): the output of fast.core.attention.attention_rows on the same
+inputs (T causal rows, batch with padding, GQA, int8 codes or fp32 rows, witness stored /
+packed / derived, exact tokens). Differential (fused vs reference): every certificate form >= the
+exact (60-digit) formula reference.softmax.tv_bound_forms(softmax(s<q, k~>), c) on each row's
+readable tokens, c = reference.band.logit_error_bound (0 on exact tokens), and not looser than
+the twin's certificate by more than the Taylor bounds cost (module doc: relative O(cm^2)).
+Property: kv_exp meets the exp error model on every fp32 input (exhaustive). Bad inputs: one
+ValueError each.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mpmath import fsum, mpf, workdps
+
+import fast
+from fast.core import attention as twin
+from fast.core import cpu_fused
+from fast.core.certify import EXP32_EPS, FORMS, TINY, U32
+from reference import band as ref_band
+from reference import softmax as ref
+
+def test_extension_builds():
+    assert cpu_fused.available(), "g++ with OpenMP could not build fast/core/csrc/cpu_fused.cpp"
+
+
+def test_exp_exhaustive():
+    """Property: kv_exp on EVERY fp32 x in [-104, 0] is within EXP32_EPS (relative) of e^x where
+    e^x >= 2^-126 and within 2^-126 (absolute) below: the error model forms_from_pmz assumes."""
+    rel_ulps, abs_err = cpu_fused.exp_check(-104.0)
+    assert rel_ulps * U32 <= EXP32_EPS, f"kv_exp relative error {rel_ulps} u32 > {EXP32_EPS / U32}"
+    assert abs_err <= TINY[torch.float32]
+    assert cpu_fused.exp_one(0.0) == 1.0 and cpu_fused.exp_one(-200.0) == 0.0
+
+
+CASE = st.fixed_dictionaries({
+    "seed": st.integers(0, 2**31 - 1), "B": st.integers(1, 2), "T": st.integers(1, 3), "Hkv": st.integers(1, 3),
+    "G": st.integers(1, 3), "N": st.integers(1, 40), "D": st.sampled_from([32, 64]), "NB": st.sampled_from([1, 4, 8]),
+    "cache": st.sampled_from(["int8", "float"]), "group": st.sampled_from([16, 0]),
+    "witness": st.sampled_from(["stored", "packed", "derived"]), "mag": st.sampled_from([1e-3, 1.0, 30.0]),
+    "padding": st.booleans(), "exact": st.booleans(), "kpos": st.booleans()})
+
+
+def build(case):
+    g = torch.Generator().manual_seed(case["seed"])
+    B, T, Hkv, N, D, G = case["B"], case["T"], case["Hkv"], case["N"], case["D"], case["G"]
+    k = torch.randn(B, Hkv, N, D, generator=g)
+    v = torch.randn(B, Hkv, N, D, generator=g)
+    q = torch.randn(B, T, Hkv * G, D, generator=g) * case["mag"]
+    bands = fast.rope_bands(D, case["NB"])
+    if case["cache"] == "float":
+        kc, vc = k + 0.01 * torch.randn(B, Hkv, N, D, generator=g), v
+        rho = fast.witness(k, kc, bands)
+    else:
+        gs = case["group"] or D
+        kc, vc = fast.quantize(k, "int8", group_size=gs), fast.quantize(v, "int8", group_size=gs)
+        rho = None if case["witness"] == "derived" else fast.witness(k, fast.dequantize(kc), bands)
+    if case["witness"] == "packed":
+        rho = fast.pack_witness(rho)
+    k_pos = None
+    if case["kpos"]:  # storage order != positions (after eviction: sorted, with gaps)
+        k_pos = torch.sort(torch.randperm(3 * N, generator=g)[:N])[0].expand(B, N).contiguous()
+    kp = torch.arange(N).expand(B, N) if k_pos is None else k_pos
+    q_pos = kp[:, -1:] - torch.arange(T - 1, -1, -1).view(1, T)  # the last T keys' positions (causal)
+    q_pos = torch.maximum(q_pos, kp[:, :1])
+    valid = None
+    if case["padding"] and N > 1:
+        valid = torch.ones(B, N, dtype=torch.bool)
+        valid[0, : N // 2] = False
+        q_pos = torch.maximum(q_pos, kp[:, N // 2: N // 2 + 1])
+    exact = None
+    if case["exact"]:
+        exact = torch.zeros(B, Hkv, N, dtype=torch.bool)
+        exact[..., :1] = True
+        exact[..., -2:] = True
+    return q, k, kc, vc, rho, bands, q_pos, k_pos, valid, exact
+
+
+def dense(t):
+    return fast.dequantize(t) if isinstance(t, fast.QTensor) else t.float()
+
+
+@workdps(60)
+def check_rows(case):
+    q, k, kc, vc, rho, bands, q_pos, k_pos, valid, exact = build(case)
+    s = 1 / math.sqrt(case["D"])
+    args = dict(bands=bands, q_pos=q_pos, k_pos=k_pos, valid=valid, exact=exact)
+    out, cert = cpu_fused.attention_rows(q, kc, vc, rho, s, **args)
+    out_t, cert_t = twin.attention_rows(q, kc, vc, rho, s, backend="torch", **args)
+    rep = f"reproduce: check_rows({json.dumps(case)})"
+    # fp32 both sides, sums in different orders (8 lanes + chunks vs BLAS); the weights are the same
+    # fp32 exps up to a few ulp (Sleef vs kv_exp), so a few 1e-6 relative on outputs of size ~1
+    torch.testing.assert_close(out, out_t, rtol=2e-5, atol=2e-6 * max(1.0, float(out_t.abs().max())), msg=lambda m: f"{m}\n{rep}")
+    # reference: exact formula on each row's readable tokens
+    if rho is None:
+        rho = fast.witness_from_step(kc.step(), bands)
+    elif rho.dtype == torch.uint8:
+        rho = fast.unpack_witness(rho)
+    kd = dense(kc)
+    B, T, H, D = q.shape
+    G = case["G"]
+    kp = torch.arange(case["N"]).expand(B, -1) if k_pos is None else k_pos
+    for b, t, h in sorted({(0, 0, 0), (B - 1, T - 1, H - 1)}):
+        kv = h // G
+        toks = [j for j in range(case["N"]) if (valid is None or bool(valid[b, j])) and int(kp[b, j]) <= int(q_pos[b, t])]
+        qh = [mpf(float(x)) for x in q[b, t, h].double()]
+        logits = [s * fsum(a * mpf(float(x)) for a, x in zip(qh, kd[b, kv, j].double())) for j in toks]
+        c = ref_band.logit_error_bound([float(x) for x in q[b, t, h].double()],
+                                       [[float(x) for x in rho[b, kv, j].double()] for j in toks], bands.tolist(), s)
+        if exact is not None:
+            c = [mpf(0) if bool(exact[b, kv, j]) else cj for cj, j in zip(c, toks)]
+        want = ref.tv_bound_forms(ref.softmax(logits), c)
+        for name in FORMS:
+            f, w, tw = mpf(float(cert[name][b, t, h])), want[name], mpf(float(cert_t[name][b, t, h]))
+            msg = f"{name} row ({b},{t},{h}): fused {f} exact {w} twin {tw}; {rep}"
+            assert f >= w, "unsound " + msg
+            cm = float(cert["max_c"][b, t, h])
+            if tw < 1:  # not saturated: the Taylor / chord bounds of P and M cost relative O(cm^2) at most
+                assert f <= tw * (1 + 1e-4 + cm * cm) + 1e-7, "loose " + msg
+        assert float(cert["B"][b, t, h]) <= float(fsum(p * mpf(math.e) ** (-cj) for p, cj in zip(ref.softmax(logits), c))), rep
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=CASE)
+def test_rows_match_twin_and_reference(case):
+    check_rows(case)
+
+
+def test_long_cache_several_chunks():
+    """Differential at N > CHUNK (several work items per head, max and sums across chunks), batch 2
+    with different lengths, T = 4 causal rows: output vs twin, certificate >= twin's exact formula."""
+    case = {"seed": 7, "B": 2, "T": 4, "Hkv": 3, "G": 3, "N": 1300, "D": 64, "NB": 8, "cache": "int8", "group": 0,
+            "witness": "packed", "mag": 1.0, "padding": True, "exact": True, "kpos": False}
+    q, k, kc, vc, rho, bands, q_pos, k_pos, valid, exact = build(case)
+    s = 0.125
+    args = dict(bands=bands, q_pos=q_pos, k_pos=k_pos, valid=valid, exact=exact)
+    out, cert = cpu_fused.attention_rows(q, kc, vc, rho, s, **args)
+    out_t, cert_t = twin.attention_rows(q, kc, vc, rho, s, backend="torch", **args)
+    torch.testing.assert_close(out, out_t, rtol=2e-5, atol=2e-6)  # see check_rows
+    for name in FORMS:  # the twin is itself >= the exact formula: the fused one may exceed it only slightly
+        assert bool((cert[name] >= cert_t[name] * (1 - 1e-5)).all()), name
+        assert bool((cert[name] <= cert_t[name] * (1 + 1e-3)).all()), name
+    # certify=False: same output, no certificate
+    out2, none = cpu_fused.attention_rows(q, kc, vc, rho, s, certify=False, **args)
+    assert none is None and torch.equal(out2, out)
+
+
+def test_large_witness_falls_back_to_twin():
+    """A row with max c_eff > CMAX32 is recomputed by the twin (fp64 terms): same certificate."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 1, 2, 32, generator=g) * 50
+    k, v = torch.randn(1, 1, 20, 32, generator=g), torch.randn(1, 1, 20, 32, generator=g)
+    rho = torch.full((1, 1, 20, 4), 5.0)
+    bands = fast.rope_bands(32, 4)
+    qp = torch.tensor([[19]])
+    out, cert = cpu_fused.attention_rows(q, k, v, rho, 32 ** -0.5, bands=bands, q_pos=qp)
+    _, cert_t = twin.attention_rows(q, k, v, rho, 32 ** -0.5, bands=bands, q_pos=qp, backend="torch")
+    for name in FORMS:
+        assert torch.equal(cert[name], cert_t[name])
+
+
+def test_unsupported_codec_goes_to_twin():
+    g = torch.Generator().manual_seed(2)
+    k, v = torch.randn(1, 2, 30, 64, generator=g), torch.randn(1, 2, 30, 64, generator=g)
+    q = torch.randn(1, 2, 4, 64, generator=g)
+    kq, vq = fast.quantize(k, "int4"), fast.quantize(v, "int4")
+    bands = fast.rope_bands(64, 8)
+    qp = torch.tensor([[28, 29]])
+    out, cert = cpu_fused.attention_rows(q, kq, vq, None, 0.125, bands=bands, q_pos=qp)
+    out_t, cert_t = twin.attention_rows(q, kq, vq, None, 0.125, bands=bands, q_pos=qp, backend="torch")
+    assert torch.equal(out, out_t) and all(torch.equal(cert[n], cert_t[n]) for n in FORMS)
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(1, 1, 10, 32, generator=g), torch.randn(1, 1, 10, 32, generator=g)
+    q = torch.randn(1, 1, 2, 32, generator=g)
+    return q, fast.quantize(k, "int8"), fast.quantize(v, "int8"), fast.rope_bands(32, 4), torch.tensor([[9]])
+
+
+@pytest.mark.parametrize("what", ["q_nan", "k_scale_inf", "v_scale_nan", "v_float_nan", "no_key", "qpos_shape",
+                                  "kv_shape"])
+def test_bad_input_one_value_error(what):
+    q, kq, vq, bands, qp = _inputs()
+    valid = None
+    k, v = kq, vq
+    if what == "q_nan":
+        q[0, 0, 0, 0] = float("nan")
+    elif what == "k_scale_inf":
+        kq.scales[0, 0, 3, 0] = float("inf")
+    elif what == "v_scale_nan":
+        vq.scales[0, 0, 3, 0] = float("nan")
+    elif what == "v_float_nan":
+        k, v = fast.dequantize(kq), fast.dequantize(vq)
+        v[0, 0, 2, 5] = float("nan")
+        return_rho = torch.zeros(1, 1, 10, 4)
+        with pytest.raises(ValueError):
+            cpu_fused.attention_rows(q, k, v, return_rho, 0.125, bands=bands, q_pos=qp)
+        return
+    elif what == "no_key":
+        valid = torch.zeros(1, 10, dtype=torch.bool)
+    elif what == "qpos_shape":
+        qp = torch.tensor([[9, 9]])
+    elif what == "kv_shape":
+        v = fast.quantize(torch.randn(1, 1, 9, 32), "int8")
+    with pytest.raises(ValueError):
+        cpu_fused.attention_rows(q, k, v, None, 0.125, bands=bands, q_pos=qp, valid=valid)
