@@ -36,13 +36,14 @@ def check_radius(case):
     q = (torch.randn(1, case["Hkv"] * case["G"], case["D"], generator=g) * case["mag"]).to(dt)
     s = 1 / math.sqrt(case["D"])
     sig = fast.dither_sigma(q, delta, s)
-    rad = fast.dither_radius(q, delta, s, case["n"], case["d"])
+    n = max(case["n"], case["N"])  # the union bound counts at least the tokens given (fewer: ValueError)
+    rad = fast.dither_radius(q, delta, s, n, case["d"])
     toks = sorted({0, case["N"] - 1})
     for h in range(q.shape[1]):
         qh = [float(v) for v in q[0, h].double()]
         dl = [[float(v) for v in delta[0, h // case["G"], j].double()] for j in toks]
         for name, got, want in (("sigma", sig, ref.dither_sigma(qh, dl, s)),
-                                ("radius", rad, ref.dither_radius(qh, dl, s, case["n"], case["d"]))):
+                                ("radius", rad, ref.dither_radius(qh, dl, s, n, case["d"]))):
             for j, w in zip(toks, want):
                 f = mpf(float(got[0, h, j]))
                 msg = f"{name} head {h} token {j}: fast {f} ref {w}; reproduce check_radius({json.dumps(case)})"
@@ -79,7 +80,8 @@ def test_dithered_cache_failure_rate_below_budget():
     q = torch.randn(1, 1, D, generator=g)  # drawn before and independently of the dither
     qt = fast.quantize(k, "int8_dither", group_size=32, seed=99, layer=5)
     eps = (q.double() @ (k.double() - fast.dequantize(qt).double()).transpose(-1, -2)).view(-1) / 8
-    rad = fast.dither_radius(q, qt.step(), 1 / 8, 1, d).double().view(-1)
+    # one token at a time (n = 1): sigma times the one-token factor (dither_radius refuses n below the tokens given)
+    rad = (fast.dither_sigma(q, qt.step(), 1 / 8).double() * fast.core.dither.radius_factor(1, d)).view(-1)
     rate = float((eps.abs() > rad).double().mean())
     assert rate <= d + 4 * math.sqrt(d * (1 - d) / N), rate
     assert rate > 0.001, rate  # the radius is not vacuous: some tokens come near it

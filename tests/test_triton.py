@@ -41,13 +41,22 @@ if CHILD:
     assert tk.INTERPRET, "the child process must run with TRITON_INTERPRET=1"
     pytestmark = pytest.mark.triton
 
-    @pytest.mark.parametrize("seed,layer,start,Hkv,N,D", [
-        (0, 0, 0, 1, 5, 32), (1, 1, 1, 2, 4, 16), (7, 3, 1000, 3, 33, 64), (2**31 - 1, 40, 2**32 - 7, 2, 17, 16), (123, 1, 2**40, 1, 9, 128)])
-    def test_dither_bit_identical(seed, layer, start, Hkv, N, D):
-        """Triton and torch generate the same dither bits (int64 hash, exact float conversion)."""
-        a = tk.dither_noise(seed, layer, Hkv, start, N, D)
-        b = fast.dither_noise(seed, layer, Hkv, start, N, D)
+    @pytest.mark.parametrize("seed,layer,start,Hkv,N,D,rows,stream", [
+        (0, 0, 0, 1, 5, 32, 1, 0), (1, 1, 1, 2, 4, 16, 2, 1), (7, 3, 1000, 3, 33, 64, 1, 1),
+        (2**31 - 1, 40, 2**32 - 7, 2, 17, 16, 3, 0), (123, 1, 2**40, 1, 9, 128, 1, 0),
+        (2**64 - 1, 2**32 - 1, 2**63 - 20, 2, 17, 16, 2, 1), (2**32 + 5, 2**31, 2**32 + 3, 1, 5, 32, 2, 0)])
+    def test_dither_bit_identical(seed, layer, start, Hkv, N, D, rows, stream):
+        """Triton and torch generate the same dither bits (int64 hash, exact float conversion),
+        batch rows and both streams included, with counters beyond 32 bits (two words each)."""
+        a = tk.dither_noise(seed, layer, Hkv, start, N, D, rows=rows, stream=stream)
+        b = fast.dither_noise(seed, layer, Hkv, start, N, D, rows=rows, stream=stream)
         assert torch.equal(a, b), (seed, layer, start)
+
+    def test_dither_kernel_refuses_out_of_range_counters():
+        for kw in (dict(seed=2**64), dict(layer=2**32), dict(token_start=2**63 - 3)):
+            args = dict(seed=0, layer=0, token_start=0) | kw
+            with pytest.raises(ValueError):
+                tk.dither_noise(args["seed"], args["layer"], 1, args["token_start"], 5, 16)
 
     def test_dequantized_dither_cache_bit_identical():
         """The fused kernel's in-register dequantization equals fast.dequantize bit for bit:
@@ -56,6 +65,11 @@ if CHILD:
         vq = fast.quantize(x, "int8_dither", group_size=8, seed=11, layer=4, token_start=77)
         q = torch.zeros(1, 2, 32)
         out, _ = tk.decode_attention(q, x, vq, torch.zeros(1, 2, 1, 4), 0.5, fast.rope_bands(32, 4), None, None, False)
+        assert torch.equal(out, fast.dequantize(vq)[:, :, 0])
+        # batch rows, the value stream and a 64-bit seed: still the same bits
+        x = torch.randn(3, 2, 1, 32)
+        vq = fast.quantize(x, "int8_dither", group_size=8, seed=2**63 + 11, layer=4, token_start=2**33, stream=1)
+        out, _ = tk.decode_attention(torch.zeros(3, 2, 32), x, vq, torch.zeros(3, 2, 1, 4), 0.5, fast.rope_bands(32, 4), None, None, False)
         assert torch.equal(out, fast.dequantize(vq)[:, :, 0])
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

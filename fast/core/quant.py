@@ -6,8 +6,11 @@ delta with |x - dequantize(qt)| <= delta / 2 exactly (the codec's own fp32 round
 included): the zero-memory witness of math.md T4 is built from it.
 
 Dither (math.md T6): u in (-1/2, 1/2) is regenerated from a counter-based hash of
-(seed, layer, head, token, channel) in integer arithmetic (int64 holding uint32 values,
-every product < 2^63), so the Triton kernel and torch produce bit-identical dither.
+(seed, stream, layer, batch row, head, token, channel) in integer arithmetic (int64 holding
+uint32 words, every product < 2^63), so the Triton kernel and torch produce bit-identical
+dither. Each request draws a fresh 64-bit seed from the OS unless one is given; every batch row
+and the key and value streams have their own counters; counters are range-checked (seed < 2^64,
+token < 2^63 enter as two words each), never reduced modulo 2^32.
 u has 16 bits: u = (2 i + 1 - 2^16) / 2^17, symmetric about 0, so that m - u is exact in
 fp32 (|m| <= 127 needs 7 more bits: 24 in all). Treating u as U[-1/2, 1/2) is spec
 assumption A1.
@@ -46,20 +49,60 @@ def _mix(x):
     return x ^ (x >> 16)
 
 
-def dither_hash(seed, layer, head, token, channel):
-    """uint32 hash (as int64) of the counters; arguments broadcast (ints or int64 tensors)."""
-    h = _mix(torch.as_tensor(seed, dtype=torch.int64) & MASK)
-    for v in (layer, head, token, channel):
-        h = _mix(h ^ (torch.as_tensor(v, dtype=torch.int64) & MASK))
+U32_COUNT = 2 ** 32   # layer, row, head, channel: each one 32-bit word of the hash
+SEED_COUNT = 2 ** 64  # seed: two words
+TOKEN_COUNT = 2 ** 63  # token: two words (int64 tensors hold it)
+STREAMS = {"k": 0, "v": 1}  # keys and values draw from separate streams
+
+
+def draw_seed():
+    """A fresh 64-bit dither seed from the OS (secrets): the default of every request."""
+    import secrets
+    return secrets.randbits(64)
+
+
+def check_counter(name, v, count):
+    """v is a Python int in [0, count): counters are never reduced modulo anything."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"{name}: must be an integer, got {v!r}")
+    if not 0 <= v < count:
+        raise ValueError(f"{name} = {v}: must lie in [0, 2^{count.bit_length() - 1}) (the dither counters never wrap around)")
+    return v
+
+
+def check_dither_counters(seed, layer, stream, rows, Hkv, token_start, N, D):
+    check_counter("seed", seed, SEED_COUNT)
+    check_counter("layer", layer, U32_COUNT)
+    if stream not in STREAMS.values():
+        raise ValueError(f"stream: 0 (keys) or 1 (values), got {stream!r}")
+    for name, v in (("batch rows", rows), ("KV heads", Hkv), ("head dim", D)):
+        check_counter(name, v, U32_COUNT + 1)
+    check_counter("token_start", token_start, TOKEN_COUNT)
+    check_counter("token_start + N", token_start + N, TOKEN_COUNT)
+
+
+def dither_hash(seed, stream, layer, row, head, token, channel):
+    """uint32 hash (as int64) of the counters, each word < 2^32 (seed < 2^64 and token < 2^63 enter
+    as two words, low then high); arguments broadcast (Python ints or int64 tensors). Words are
+    mixed in this order: seed lo, seed hi, stream, layer, row, head, token lo, token hi, channel."""
+    seed = int(seed)
+    token = torch.as_tensor(token, dtype=torch.int64)
+    h = _mix(torch.as_tensor(seed & MASK, dtype=torch.int64))
+    for v in (seed >> 32, stream, layer, row, head, token & MASK, token >> 32, channel):
+        h = _mix(h ^ torch.as_tensor(v, dtype=torch.int64))
     return h
 
 
-def dither_noise(seed, layer, Hkv, token_start, N, D, device="cpu"):
-    """u [Hkv, N, D] fp32 in (-1/2, 1/2): the dither of heads 0..Hkv-1, tokens token_start.., channels 0..D-1."""
-    head = torch.arange(Hkv, device=device).view(Hkv, 1, 1)
-    token = torch.arange(token_start, token_start + N, device=device).view(1, N, 1)
-    channel = torch.arange(D, device=device).view(1, 1, D)
-    i = dither_hash(seed, layer, head, token, channel) >> 16  # [0, 2^16)
+def dither_noise(seed, layer, Hkv, token_start, N, D, device="cpu", *, rows=1, stream=0):
+    """u [rows, Hkv, N, D] fp32 in (-1/2, 1/2): the dither of batch rows 0..rows-1, heads 0..Hkv-1,
+    tokens token_start.., channels 0..D-1 of one stream (0 keys, 1 values). Out-of-range counters
+    raise ValueError (seed < 2^64, layer < 2^32, token_start + N < 2^63)."""
+    check_dither_counters(seed, layer, stream, rows, Hkv, token_start, N, D)
+    row = torch.arange(rows, device=device).view(rows, 1, 1, 1)
+    head = torch.arange(Hkv, device=device).view(1, Hkv, 1, 1)
+    token = torch.arange(token_start, token_start + N, device=device).view(1, 1, N, 1)
+    channel = torch.arange(D, device=device).view(1, 1, 1, D)
+    i = dither_hash(seed, stream, layer, row, head, token, channel) >> 16  # [0, 2^16)
     return (2 * i + 1 - 65536).to(torch.float32) * 2.0 ** -17  # exact: an integer < 2^17 times a power of 2
 
 
@@ -75,6 +118,7 @@ class QTensor:
     seed: int = 0
     layer: int = 0
     token_start: int = 0
+    stream: int = 0  # dither stream: 0 keys, 1 values
 
     @property
     def shape(self):
@@ -126,7 +170,7 @@ class QTensor:
 
     def cat(self, other):
         """Append `other` after self along the token axis (append-only caches)."""
-        same = (self.scheme, self.group_size, self.seed, self.layer) == (other.scheme, other.group_size, other.seed, other.layer)
+        same = (self.scheme, self.group_size, self.seed, self.layer, self.stream) == (other.scheme, other.group_size, other.seed, other.layer, other.stream)
         if not same or other.token_start != self.token_start + self.shape[2]:
             raise ValueError("QTensor.cat: schemes, seeds or token counters do not line up")
         sc = None if self.scales is None else torch.cat([self.scales, other.scales], dim=2)
@@ -143,12 +187,14 @@ def _fp16_scale_up(absmax, qmax):
     return torch.where(s16 == 0, torch.full_like(s16, 2.0 ** -24), s16)
 
 
-def quantize(x, scheme, *, group_size=32, seed=0, layer=0, token_start=0, per_token_scale=True):
+def quantize(x, scheme, *, group_size=32, seed=None, layer=0, token_start=0, per_token_scale=True, stream=0):
     """Quantize x [B, Hkv, N, D] (fp32/fp16/bf16, finite) with one of SCHEMES.
 
     Integer codecs: one fp16 scale per group of `group_size` channels (D % group_size == 0).
     fp8: raw cast, with a per-token fp32 scale when per_token_scale (else |x| must fit the format).
-    int8_dither: dither counters (seed, layer, head = KV head index, token = token_start + n, channel).
+    int8_dither: dither counters (seed, stream, layer, batch row, KV head, token = token_start + n,
+    channel); seed=None draws a fresh 64-bit seed from the OS (recorded in the QTensor), a given
+    seed reproduces the dither; stream 0 for keys, 1 for values. Counters out of range -> ValueError.
     """
     _checks.tensor("x", x, ndim=4, dtypes=(torch.float32, torch.float16, torch.bfloat16))
     if scheme not in SCHEMES:
@@ -156,11 +202,11 @@ def quantize(x, scheme, *, group_size=32, seed=0, layer=0, token_start=0, per_to
     _checks.finite("x", x)
     B, Hkv, N, D = x.shape
     x32 = x.to(torch.float32)
-    for name, v in (("seed", seed), ("layer", layer), ("token_start", token_start)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"{name}: must be an integer >= 0, got {v!r}")
+    if seed is None:
+        seed = draw_seed() if scheme == "int8_dither" else 0
+    check_dither_counters(seed, layer, stream, B, Hkv, token_start, N, D)
     if scheme in FP8:
-        return replace(_quantize_fp8(x32, scheme, per_token_scale), seed=seed, layer=layer, token_start=token_start)
+        return replace(_quantize_fp8(x32, scheme, per_token_scale), seed=seed, layer=layer, token_start=token_start, stream=stream)
     _checks.positive_int("group_size", group_size)
     if D % group_size or (scheme == "int4" and D % 2):
         raise ValueError(f"group_size = {group_size} must divide D = {D} (and D even for int4)")
@@ -168,7 +214,7 @@ def quantize(x, scheme, *, group_size=32, seed=0, layer=0, token_start=0, per_to
     scales = _fp16_scale_up(g.abs().amax(-1), QMAX[scheme])  # [B, Hkv, N, D/G]
     y = g / scales.to(torch.float32).unsqueeze(-1)
     if scheme == "int8_dither":
-        u = dither_noise(seed, layer, Hkv, token_start, N, D, x.device).view(1, Hkv, N, D // group_size, group_size)
+        u = dither_noise(seed, layer, Hkv, token_start, N, D, x.device, rows=B, stream=stream).view(B, Hkv, N, D // group_size, group_size)
         y = y + u
     lim = CODE_MAX[scheme] // 1
     m = torch.clamp(torch.round(y), -lim, lim).view(B, Hkv, N, D)  # the clamp never binds: |y| <= QMAX (1 + u) (+ 1/2)
@@ -177,7 +223,7 @@ def quantize(x, scheme, *, group_size=32, seed=0, layer=0, token_start=0, per_to
         codes = nib[..., 0::2] | (nib[..., 1::2] << 4)
     else:
         codes = m.to(torch.int8)
-    return QTensor(codes, scales, scheme, group_size, seed, layer, token_start)
+    return QTensor(codes, scales, scheme, group_size, seed, layer, token_start, stream)
 
 
 def _quantize_fp8(x32, scheme, per_token_scale):
@@ -206,7 +252,7 @@ def dequantize(qt):
     else:
         m = qt.codes.to(torch.float32)
     if qt.scheme == "int8_dither":
-        m = m - dither_noise(qt.seed, qt.layer, Hkv, qt.token_start, N, D, qt.codes.device)  # exact (24 bits)
+        m = m - dither_noise(qt.seed, qt.layer, Hkv, qt.token_start, N, D, qt.codes.device, rows=B, stream=qt.stream)  # exact (24 bits)
     ng = qt.scales.shape[-1]
     return (m.view(B, Hkv, N, ng, D // ng) * qt.scales.to(torch.float32).unsqueeze(-1)).view(B, Hkv, N, D)
 

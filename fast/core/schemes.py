@@ -232,13 +232,15 @@ class Scheme:
 
 
 def _codec_scheme(name):
-    def encode(x, layer, token_start, seed):
-        from fast.core.quant import quantize
-        qt = quantize(x, name, seed=seed, layer=layer, token_start=token_start)
-        if qt.token_start != token_start:  # fp8 QTensors do not record the counters; cat checks them
-            qt = replace(qt, token_start=token_start)
-        return CodecStored(qt)
-    return Scheme(name, encode, encode, derived_witness=name in UNIFORM, dither=name == "int8_dither")
+    def encoder(stream):  # keys and values draw the dither from separate streams (0 and 1)
+        def encode(x, layer, token_start, seed):
+            from fast.core.quant import quantize
+            qt = quantize(x, name, seed=seed, layer=layer, token_start=token_start, stream=stream)
+            if qt.token_start != token_start:  # fp8 QTensors do not record the counters; cat checks them
+                qt = replace(qt, token_start=token_start)
+            return CodecStored(qt)
+        return encode
+    return Scheme(name, encoder(0), encoder(1), derived_witness=name in UNIFORM, dither=name == "int8_dither")
 
 
 def _kivi_scheme():

@@ -21,7 +21,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from fast.core.certify import EXP_EPS, SATURATE_C, U64, band_norms_up, forms_with_margin, gamma, logit_rounding, to_fp32, up32, up64
-from fast.core.quant import QTensor, dequantize, max_abs
+from fast.core.quant import QTensor, check_dither_counters, dequantize, max_abs
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MODES = {"float": 0, "int8": 1, "int8_dither": 2}
@@ -46,35 +46,51 @@ def _mix(x):
 
 
 @triton.jit
-def _dither(seed, layer, head, token, channel):
-    """u in (-1/2, 1/2), bit-identical to fast.core.quant.dither_noise. token: [BLOCK_N, 1], channel: [1, D]."""
-    h = _mix(seed.to(tl.int64) & 0xFFFFFFFF)
+def _dither(seed_lo, seed_hi, stream, layer, row, head, token, channel):
+    """u in (-1/2, 1/2), bit-identical to fast.core.quant.dither_noise (same words, same order).
+    Every word is < 2^32 (range-checked on the host); token (int64, < 2^63) enters as two words.
+    token: [BLOCK_N, 1], channel: [1, D]."""
+    token = token.to(tl.int64)
+    # & 0xFFFFFFFF: a word in [2^31, 2^32) may arrive as a 32-bit argument that .to(int64) sign-extends
+    h = _mix(seed_lo.to(tl.int64) & 0xFFFFFFFF)
+    h = _mix(h ^ (seed_hi.to(tl.int64) & 0xFFFFFFFF))
+    h = _mix(h ^ (stream.to(tl.int64) & 0xFFFFFFFF))
     h = _mix(h ^ (layer.to(tl.int64) & 0xFFFFFFFF))
+    h = _mix(h ^ (row.to(tl.int64) & 0xFFFFFFFF))
     h = _mix(h ^ (head.to(tl.int64) & 0xFFFFFFFF))
-    h = _mix(h ^ (token.to(tl.int64) & 0xFFFFFFFF))
-    h = _mix(h ^ (channel.to(tl.int64) & 0xFFFFFFFF))
+    h = _mix(h ^ (token & 0xFFFFFFFF))
+    h = _mix(h ^ (token >> 32))
+    h = _mix(h ^ channel.to(tl.int64))
     i = h >> 16
     return (2 * i + 1 - 65536).to(tl.float32) * 0.00000762939453125  # 2^-17: exact
 
 
 # ---------------------------------------------------------------- dither (tests only)
 
-@triton.jit(do_not_specialize=["seed", "layer", "token_start"])  # a counter equal to 1 must stay a tensor
-def _dither_kernel(out_ptr, seed, layer, token_start, N, D: tl.constexpr, BLOCK_N: tl.constexpr):
-    head = tl.program_id(0)
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi", "stream", "layer", "token_start"])  # a counter equal to 1 must stay a tensor
+def _dither_kernel(out_ptr, seed_lo, seed_hi, stream, layer, token_start, N, Hkv, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    rh = tl.program_id(0)
+    row = rh // Hkv
+    head = rh % Hkv
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
-    u = _dither(seed, layer, head, token_start + offs_n[:, None], offs_d[None, :])
-    ptrs = out_ptr + head * N * D + offs_n[:, None] * D + offs_d[None, :]
+    u = _dither(seed_lo, seed_hi, stream, layer, row, head, token_start.to(tl.int64) + offs_n[:, None], offs_d[None, :])
+    ptrs = out_ptr + rh * N * D + offs_n[:, None] * D + offs_d[None, :]
     tl.store(ptrs, u, mask=offs_n[:, None] < N)
 
 
-def dither_noise(seed, layer, Hkv, token_start, N, D, device="cpu"):
-    """Triton twin of fast.core.quant.dither_noise: [Hkv, N, D] fp32."""
+def _seed_words(seed):
+    return seed & 0xFFFFFFFF, seed >> 32
+
+
+def dither_noise(seed, layer, Hkv, token_start, N, D, device="cpu", *, rows=1, stream=0):
+    """Triton twin of fast.core.quant.dither_noise: [rows, Hkv, N, D] fp32."""
     _pow2("D", D)
-    out = torch.empty(Hkv, N, D, dtype=torch.float32, device=device)
+    check_dither_counters(seed, layer, stream, rows, Hkv, token_start, N, D)
+    out = torch.empty(rows, Hkv, N, D, dtype=torch.float32, device=device)
     BLOCK_N = 16
-    _dither_kernel[(Hkv, triton.cdiv(N, BLOCK_N))](out, seed, layer, token_start, N, D=D, BLOCK_N=BLOCK_N)
+    _dither_kernel[(rows * Hkv, triton.cdiv(N, BLOCK_N))](out, *_seed_words(seed), stream, layer, token_start, N, Hkv,
+                                                          D=D, BLOCK_N=BLOCK_N)
     return out
 
 
@@ -159,7 +175,7 @@ def logit_error_bound64(q, rho, bands, s):
 
 @triton.jit
 def _load_cache(ptr, scale_ptr, b, kvh, offs_n, offs_d, nmask, stride_b, stride_h, stride_n,
-                sstride_b, sstride_h, sstride_n, seed, layer, token_start,
+                sstride_b, sstride_h, sstride_n, seed_lo, seed_hi, stream, layer, token_start,
                 MODE: tl.constexpr, GROUP: tl.constexpr):
     """[BLOCK_N, D] fp32 block of a float (MODE 0), int8 (1) or int8_dither (2) cache."""
     ptrs = ptr + b * stride_b + kvh * stride_h + offs_n[:, None] * stride_n + offs_d[None, :]
@@ -168,19 +184,21 @@ def _load_cache(ptr, scale_ptr, b, kvh, offs_n, offs_d, nmask, stride_b, stride_
         sptrs = scale_ptr + b * sstride_b + kvh * sstride_h + offs_n[:, None] * sstride_n + offs_d[None, :] // GROUP
         sc = tl.load(sptrs, mask=nmask[:, None], other=0.0).to(tl.float32)
         if MODE == 2:
-            x = x - _dither(seed, layer, kvh, token_start + offs_n[:, None], offs_d[None, :])  # exact (24 bits)
+            x = x - _dither(seed_lo, seed_hi, stream, layer, b, kvh, token_start.to(tl.int64) + offs_n[:, None],
+                            offs_d[None, :])  # exact (24 bits)
         x = x * sc
     return x
 
 
-@triton.jit(do_not_specialize=["k_seed", "k_layer", "k_start", "v_seed", "v_layer", "v_start"])
+@triton.jit(do_not_specialize=["k_seed_lo", "k_seed_hi", "k_stream", "k_layer", "k_start",
+                               "v_seed_lo", "v_seed_hi", "v_stream", "v_layer", "v_start"])
 def _decode_attention_kernel(
         q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, qn_ptr, rho_ptr, valid_ptr, exact_ptr, e_ptr, params_ptr,
         out_ptr, sums_ptr, N, s32,
         stride_kb, stride_kh, stride_kn, stride_ksb, stride_ksh, stride_ksn,
         stride_vb, stride_vh, stride_vn, stride_vsb, stride_vsh, stride_vsn,
         stride_rb, stride_rh, stride_rn,
-        k_seed, k_layer, k_start, v_seed, v_layer, v_start,
+        k_seed_lo, k_seed_hi, k_stream, k_layer, k_start, v_seed_lo, v_seed_hi, v_stream, v_layer, v_start,
         HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, NB_P: tl.constexpr,
         K_MODE: tl.constexpr, V_MODE: tl.constexpr, K_GROUP: tl.constexpr, V_GROUP: tl.constexpr,
         HAS_VALID: tl.constexpr, HAS_EXACT: tl.constexpr, CERTIFY: tl.constexpr,
@@ -213,7 +231,7 @@ def _decode_attention_kernel(
         offs_n = start + tl.arange(0, BLOCK_N)
         nmask = offs_n < N
         k = _load_cache(k_ptr, ks_ptr, b, kvh, offs_n, offs_d, nmask, stride_kb, stride_kh, stride_kn,
-                        stride_ksb, stride_ksh, stride_ksn, k_seed, k_layer, k_start, K_MODE, K_GROUP)
+                        stride_ksb, stride_ksh, stride_ksn, k_seed_lo, k_seed_hi, k_stream, k_layer, k_start, K_MODE, K_GROUP)
         x = tl.sum(k * q[None, :], axis=1) * s32  # fp32 logits: a D-term dot, then the fp32 scale
         bad += tl.sum((((x != x) | (tl.abs(x) == float("inf"))) & nmask).to(tl.int32), axis=0)
         live = nmask
@@ -225,7 +243,7 @@ def _decode_attention_kernel(
         alpha = tl.exp(m_i - m_safe)
         p = tl.where(live, tl.exp(x - m_safe), 0.0)
         v = _load_cache(v_ptr, vs_ptr, b, kvh, offs_n, offs_d, nmask, stride_vb, stride_vh, stride_vn,
-                        stride_vsb, stride_vsh, stride_vsn, v_seed, v_layer, v_start, V_MODE, V_GROUP)
+                        stride_vsb, stride_vsh, stride_vsn, v_seed_lo, v_seed_hi, v_stream, v_layer, v_start, V_MODE, V_GROUP)
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         if CERTIFY:
@@ -263,17 +281,20 @@ def _pow2(name, n):
 
 
 def _cache_args(t):
-    """(tensor, scales, strides, scale strides, seed, layer, start, MODE, GROUP) for the kernel."""
+    """(tensor, scales, strides, scale strides, (seed lo, seed hi, stream, layer, start), MODE, GROUP) for the kernel."""
     if isinstance(t, QTensor) and t.scheme in MODES:
         c, sc = t.codes, t.scales
         if c.stride(-1) != 1 or sc.stride(-1) != 1:
             raise ValueError("cache codes and scales must be contiguous along the last dim")
-        return (c, sc, c.stride()[:3], sc.stride()[:3], t.seed, t.layer, t.token_start, MODES[t.scheme], t.group_size)
+        B, Hkv, N, D = t.shape
+        check_dither_counters(t.seed, t.layer, t.stream, B, Hkv, t.token_start, N, D)
+        return (c, sc, c.stride()[:3], sc.stride()[:3], (*_seed_words(t.seed), t.stream, t.layer, t.token_start),
+                MODES[t.scheme], t.group_size)
     if isinstance(t, QTensor):  # int4 / fp8: dequantized on the host (a documented gap of the kernel)
         t = dequantize(t)
     if t.stride(-1) != 1:
         t = t.contiguous()
-    return (t, t, t.stride()[:3], (0, 0, 0), 0, 0, 0, 0, 1)
+    return (t, t, t.stride()[:3], (0, 0, 0), (0, 0, 0, 0, 0), 0, 1)
 
 
 def decode_attention(q, k, v, rho, s, bands, valid, exact, certify=True):
@@ -282,8 +303,8 @@ def decode_attention(q, k, v, rho, s, bands, valid, exact, certify=True):
     Hkv, N = k.shape[1], k.shape[2]
     NB = bands.shape[0]
     _pow2("D", D)
-    kt, ks, kst, ksst, kseed, klayer, kstart, kmode, kgroup = _cache_args(k)
-    vt, vs, vst, vsst, vseed, vlayer, vstart, vmode, vgroup = _cache_args(v)
+    kt, ks, kst, ksst, kctr, kmode, kgroup = _cache_args(k)
+    vt, vs, vst, vsst, vctr, vmode, vgroup = _cache_args(v)
     q32 = q.to(torch.float32).contiguous()
     qn = band_norms_up(q.to(torch.float64), bands).contiguous()
     if rho is None:  # certify=False: the kernel never reads it
@@ -301,7 +322,7 @@ def decode_attention(q, k, v, rho, s, bands, valid, exact, certify=True):
     _decode_attention_kernel[(B * H,)](
         q32, kt, ks, vt, vs, qn, rho, valid_t, exact_t, e, params, out, sums, N, float(s),
         *kst, *ksst, *vst, *vsst, rho.stride(0), rho.stride(1), rho.stride(2),
-        kseed, klayer, kstart, vseed, vlayer, vstart,
+        *kctr, *vctr,
         HQ=H, G=H // Hkv, D=D, NB=NB, NB_P=triton.next_power_of_2(NB),
         K_MODE=kmode, V_MODE=vmode, K_GROUP=kgroup, V_GROUP=vgroup,
         HAS_VALID=valid is not None, HAS_EXACT=exact is not None, CERTIFY=certify,

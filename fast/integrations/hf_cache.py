@@ -22,6 +22,7 @@ from fast.integrations.hf_meter import set_current
 from fast.core.rope import rope_bands
 from fast.core.schemes import CodecStored, Grow, get_scheme
 from fast.core.witness import pack_witness, unpack_witness, witness, witness_from_step
+from fast.core.certify import band_norms_up, up32
 from fast.policies.gate import Gate, parse_gate
 
 NB = 8  # RoPE bands per head (fast.rope_bands(D, NB, "rotate_half"))
@@ -31,6 +32,13 @@ def _take(t, index):
     """t [B, Hkv, N, ...] gathered along the token axis with index [B, Hkv, K]."""
     idx = index.reshape(*index.shape, *([1] * (t.dim() - 3))).expand(*index.shape, *t.shape[3:])
     return torch.gather(t, 2, idx)
+
+
+def value_error_norms(v, v_hat):
+    """[B, Hkv, n] fp32 >= ||v_j - v~_j|| (fp64 differences of two floats, band_norms_up with one band of all
+    D coordinates, rounded up to fp32): the value witness of math.md T5."""
+    D = v.shape[-1]
+    return up32(band_norms_up(v.to(torch.float64) - v_hat.to(torch.float64), torch.arange(D, device=v.device)[None])[..., 0])
 
 
 class CertifiedLayer(CacheLayerMixin):
@@ -54,6 +62,7 @@ class CertifiedLayer(CacheLayerMixin):
         self.exact_k = self.exact_v = None  # full exact copy (shadow and/or full offload)
         self.res_k = self.res_v = None      # residual offload tier (Stored) and its witness
         self.res_rho = None
+        self.v_err = self.res_v_err = None  # [B, Hkv, nq] fp32 >= ||v - v~|| (value_bound=True; res_: after a residual repair)
         self.repaired = None   # [Hkv] bool
         self.risk = None       # [Hkv] risk score from the last prefill query (risk gate)
         self.steps = 0         # decode reads certified so far
@@ -164,7 +173,10 @@ class CertifiedLayer(CacheLayerMixin):
         k_hat = kq.decode().to(self.dtype)  # exactly what served() will return
         bands = self.cache.bands
         if not self.derived:
-            rho = witness(k.float(), k_hat.float(), bands)
+            if hasattr(kq, "witness_t3"):  # pre-RoPE scheme: witness from the pre-RoPE error (T3), fast.core.prerope
+                rho = kq.witness_t3(k, bands, self.dtype)
+            else:
+                rho = witness(k.float(), k_hat.float(), bands)
             codes = pack_witness(rho)
             self._append("rho_codes", codes)
         if self.cache.offload == "residual":
@@ -177,10 +189,14 @@ class CertifiedLayer(CacheLayerMixin):
             self.res_k = rk if self.res_k is None else self.res_k.cat(rk)
             self.res_v = rv if self.res_v is None else self.res_v.cat(rv)
             self._append("res_rho", rcodes)
+            if self.cache.value_bound:
+                self._append("res_v_err", value_error_norms(v, vq.decode().to(self.dtype) + dequantize(rv.qt).to(self.dtype)))
             per_head = (rk.nbytes + rv.nbytes + rcodes.nbytes) / self.Hkv
         else:
             per_head = 2 * k.nbytes / self.Hkv
         self.traffic += int(per_head * int(self.repaired.sum()))  # new tokens of repaired heads move too
+        if self.cache.value_bound:  # the value witness of T5: ||v - v~|| as served, measured once, rounded up
+            self._append("v_err", value_error_norms(v, vq.decode().to(self.dtype)))
         self.kq = kq if self.kq is None else self.kq.cat(kq)
         self.vq = vq if self.vq is None else self.vq.cat(vq)
         self.nq += m
@@ -265,6 +281,19 @@ class CertifiedLayer(CacheLayerMixin):
                 rho[:, rep, :self.nq] = unpack_witness(self.res_rho[:, rep])
         return rho, self.exact_mask()
 
+    def value_err_view(self):
+        """[B, Hkv, N] fp32 >= ||v_j - v~_j|| of the served values (0 where the served value is exact):
+        the value witness of math.md T5 (value_bound=True), or None."""
+        if not self.cache.value_bound:
+            return None
+        ve = torch.zeros(self.B, self.Hkv, self.n, device=self.device)
+        if self.nq:
+            ve[:, :, :self.nq] = self.v_err
+            rep = self.repaired.nonzero().flatten().tolist()
+            if rep and self.cache.offload == "residual":
+                ve[:, rep, :self.nq] = self.res_v_err[:, rep]
+        return ve.masked_fill(self.exact_mask(), 0.0)
+
     def step_view(self):
         """delta [B, Hkv, N, D]: the dither step of each served element (0 where exact): int8_dither only."""
         delta = torch.zeros(self.B, self.Hkv, self.n, self.D, device=self.device)
@@ -314,6 +343,10 @@ class CertifiedLayer(CacheLayerMixin):
         if self.res_k is not None:
             self.res_k, self.res_v = self.res_k.take(index), self.res_v.take(index)
             self._set("res_rho", _take(self.res_rho, index))
+            if self.res_v_err is not None:
+                self._set("res_v_err", _take(self.res_v_err, index))
+        if self.v_err is not None:
+            self._set("v_err", _take(self.v_err, index))
         if self.exact_k is not None:
             self._set("exact_k", _take(self.exact_k, index))
             self._set("exact_v", _take(self.exact_v, index))
@@ -347,7 +380,7 @@ class CertifiedLayer(CacheLayerMixin):
         n = 0
         for s in (self.kq, self.vq):
             n += s.nbytes if s is not None else 0
-        for t in (self.rho_codes, self.k_tail, self.v_tail, self.ex_k, self.ex_v):
+        for t in (self.rho_codes, self.v_err, self.k_tail, self.v_tail, self.ex_k, self.ex_v):
             n += t.nbytes if t is not None else 0
         n += sum(self.head_bytes(h) for h in range(self.Hkv) if self.repaired[h])
         return n
@@ -365,14 +398,15 @@ class CertifiedCache(Cache):
 
     scheme: a registered scheme name (fast.core.schemes); gate: none | certified:TAU | risk:K;
     sinks / window: exact first / newest tokens; shadow: keep the exact cache and measure true TV;
-    seed, delta_req: the dither tier (int8_dither); offload: "full" (exact copy) or "residual";
+    seed, delta_req: the dither tier (int8_dither; seed=None: a fresh 64-bit seed per cache, i.e. per
+    request, drawn from the OS; each batch row and keys/values get their own counters); offload: "full" (exact copy) or "residual";
     certify=False serves the compressed cache without certificates (the meter-overhead baseline);
     derived: use the zero-memory witness from the scales when the scheme allows it (else 1 byte
     per band and token, tighter and cheaper to read).
     """
 
     def __init__(self, config, scheme="int8", *, gate="none", sinks=4, window=32, shadow=False,
-                 seed=0, delta_req=1e-3, offload="full", derived=False, nbands=NB, certify=True):
+                 seed=None, delta_req=1e-3, offload="full", derived=False, nbands=NB, certify=True, value_bound=False):
         self.scheme = get_scheme(scheme)
         self.gate = parse_gate(gate)
         if offload not in ("full", "residual"):
@@ -383,7 +417,11 @@ class CertifiedCache(Cache):
             raise ValueError("sinks and window must be >= 0")
         self.sinks, self.window, self.shadow = int(sinks), int(window), bool(shadow)
         self.certify = bool(certify)  # False: serve the compressed cache without certificates (speed baseline)
-        self.seed, self.delta_req, self.offload, self.derived = int(seed), float(delta_req), offload, bool(derived)
+        from fast.core.quant import SEED_COUNT, check_counter, draw_seed
+        # the dither of one request is its own: a fresh 64-bit seed from the OS unless one is given (reproducibility)
+        self.seed = draw_seed() if seed is None else check_counter("seed", seed, SEED_COUNT)
+        self.delta_req, self.offload, self.derived = float(delta_req), offload, bool(derived)
+        self.value_bound = bool(value_bound)  # store ||v - v~|| per token (4 bytes a KV head): the output bound (T5)
         self.keep_exact = self.shadow or (self.gate.kind != "none" and offload == "full")
         self.num_layers = config.num_hidden_layers
         self.num_heads = config.num_attention_heads
@@ -397,6 +435,7 @@ class CertifiedCache(Cache):
         self.evicted = False
         self._work = {}        # decode workspace (see workspace())
         self.records = []      # one dict per (decode step, layer), filled by fast.integrations.hf_meter
+        self.row_records = []  # one dict per (multi-row read of a non-empty cache, layer): second turns, chunked prefill
         self.risk_done = False
         self.on_layer = None   # optional callback(phase, layer_idx) after each attention call (progress bars)
         layers = [CertifiedLayer(self, i) for i in range(self.num_layers)]
