@@ -7,12 +7,21 @@ Tasks (each a haystack of filler sentences with facts hidden at chosen depths):
     multivalue  3 values for the same key; all must be returned
     vartrack    a chain of variable assignments X1 = 12345, X2 = X1, ...; which variables equal the value
 
-An example is {task, seed, depth, context, question, answers}; `score(text, answers)` is 1 when
-every answer string appears in the model's output. `build(tokenizer, ex, target_tokens)` sizes the
-haystack to about `target_tokens` tokens and returns (input_ids [1, N], n_tokens).
+An example is {task, seed, depth, haystack, facts, question, answers}; `score(text, answers)` is 1
+when every answer string appears in the model's output. `build(tokenizer, ex, target_tokens)` sizes
+the haystack to about `target_tokens` tokens and returns (input_ids [1, N], n_tokens);
+`allowance(tokenizer, ex)` is the number of new tokens the task's answer needs (task-aware
+generation length: the answers joined as the model writes them, plus slack).
+
+Haystacks: "synthetic" (8 filler sentences drawn at random, the classic RULER/needle filler) or
+"natural": consecutive prose sentences of the Python language reference that ships with the
+interpreter (`pydoc_data.topics`, part of every CPython installation; read from disk, never
+downloaded), filtered to sentences without digits or code, starting at a seed-dependent offset.
 """
 
+import hashlib
 import random
+import re
 
 WORDS = ("apple river stone cloud maple tiger lemon violet copper harbor falcon meadow orbit pepper "
          "silver thunder willow amber canyon ember frost garnet hazel island jasper lotus marble "
@@ -28,14 +37,46 @@ FILLER = [
     "The library was warm and smelled of old paper.",
 ]
 TASKS = ("passkey", "needle", "multikey", "multivalue", "vartrack")
+HAYSTACKS = ("synthetic", "natural")
+ANSWER_SLACK = 6          # tokens beyond the answers themselves (separators, "and", a period)
+_NATURAL = []
+
+
+def natural_sentences():
+    """Prose sentences of pydoc_data.topics (the language reference shipped with CPython), in order:
+    8-40 words, letters and plain punctuation only (no digits, no code). Cached."""
+    if not _NATURAL:
+        import pydoc_data.topics as topics
+        text = " ".join(topics.topics[k] for k in sorted(topics.topics))
+        text = re.sub(r"\s+", " ", text)
+        for sent in re.split(r"(?<=[.!?]) (?=[A-Z])", text):
+            words = sent.split()
+            if 8 <= len(words) <= 40 and re.fullmatch(r"[A-Za-z ,;:'\"().!?-]+", sent) and sent[-1] in ".!?":
+                _NATURAL.append(sent)
+    return _NATURAL
+
+
+def natural_source():
+    """Where the natural haystack comes from (for results files): module, sentences, sha256."""
+    import pydoc_data.topics as topics
+    sents = natural_sentences()
+    return {"module": "pydoc_data.topics", "file": topics.__file__, "sentences": len(sents),
+            "sha256": hashlib.sha256("\n".join(sents).encode()).hexdigest()}
+
+
+def allowance(tokenizer, ex):
+    """New tokens the task needs: its answers written as a list (", " between them), plus slack."""
+    return len(tokenizer(" " + ", ".join(ex["answers"]) + ".")["input_ids"]) + ANSWER_SLACK
 
 
 def _num(rng):
     return str(rng.randint(10000, 99999))
 
 
-def make_example(task, seed, depth):
+def make_example(task, seed, depth, haystack="synthetic"):
     """depth in [0, 1]: where the (first) fact sits in the haystack."""
+    if haystack not in HAYSTACKS:
+        raise ValueError(f"unknown haystack {haystack!r}; choose from {', '.join(HAYSTACKS)}")
     rng = random.Random(f"{task}-{seed}")
     if task == "passkey":
         key = _num(rng)
@@ -68,12 +109,18 @@ def make_example(task, seed, depth):
         answers = names
     else:
         raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
-    return {"task": task, "seed": seed, "depth": depth, "facts": facts, "question": question, "answers": answers}
+    return {"task": task, "seed": seed, "depth": depth, "haystack": haystack, "facts": facts, "question": question,
+            "answers": answers}
 
 
 def _haystack(ex, n_sentences):
     rng = random.Random(f"hay-{ex['task']}-{ex['seed']}")
-    hay = [rng.choice(FILLER) for _ in range(n_sentences)]
+    if ex.get("haystack", "synthetic") == "natural":
+        src = natural_sentences()
+        start = rng.randrange(len(src))
+        hay = [src[(start + i) % len(src)] for i in range(n_sentences)]   # consecutive prose
+    else:
+        hay = [rng.choice(FILLER) for _ in range(n_sentences)]
     # the first fact at `depth`, the others spread after it (in order)
     start = int(ex["depth"] * n_sentences)
     spots = sorted({min(n_sentences, start + i * max(1, (n_sentences - start) // (len(ex["facts"]) + 1)))
@@ -110,7 +157,8 @@ def build(tokenizer, ex, target_tokens):
         ids = ids if torch.is_tensor(ids) else torch.tensor([ids])
         return torch.cat([ids, tail], 1)
 
-    per = len(tokenizer(" ".join(FILLER))["input_ids"]) / len(FILLER)
+    sample = natural_sentences()[:200] if ex.get("haystack") == "natural" else FILLER
+    per = len(tokenizer(" ".join(sample))["input_ids"]) / len(sample)
     n = max(1, int(target_tokens / per))
     ids = encode(n)
     while ids.shape[1] > target_tokens and n > 1:              # trim to fit
@@ -123,7 +171,15 @@ def score(text, answers):
     return int(all(a in text for a in answers))
 
 
-def examples(n, *, tasks=TASKS, seed0=0):
-    """n examples cycling over tasks and depths (0.1 .. 0.9), fixed seeds."""
-    depths = [0.1, 0.3, 0.5, 0.7, 0.9]
-    return [make_example(tasks[i % len(tasks)], seed0 + i, depths[(i // len(tasks)) % len(depths)]) for i in range(n)]
+def examples(n, *, tasks=TASKS, seed0=0, haystacks=("synthetic",)):
+    """n examples cycling over tasks and haystacks, fixed seeds; depths spread over the whole
+    range: a stratified draw in [0.05, 0.95] (input i in stratum 4i mod 9, jittered within it)."""
+    out = []
+    for i in range(n):
+        rng = random.Random(f"depth-{seed0 + i}")
+        stratum = (i * 4) % 9                                   # 0, 4, 8, 3, 7, 2, 6, 1, 5, ...: spread early
+        depth = round(0.05 + 0.1 * stratum + 0.1 * rng.random(), 3)
+        task = tasks[i % len(tasks)]
+        hay = haystacks[(i // len(tasks)) % len(haystacks)]
+        out.append(make_example(task, seed0 + i, min(depth, 0.95), hay))
+    return out

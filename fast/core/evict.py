@@ -143,6 +143,44 @@ def build_group_witness(keys, evict_index, bands, *, group_size=32, evict_valid=
     return GroupWitness(counts.to(torch.int32), centre16, _round_up_f16(radius), bands)
 
 
+def cluster_order(keys, evict_index, evict_valid, group_size):
+    """Reorder the evicted tokens so that consecutive runs of `group_size` hold nearby keys.
+
+    keys [B, Hkv, N, D]; evict_index, evict_valid [B, Hkv, E]. Per (row, KV head), the valid
+    evicted keys are split recursively at a multiple of group_size along their principal axis
+    (a PCA tree), so that the groups of build_group_witness have small radii; the number of
+    groups stays ceil(E_valid / group_size). Only the partition changes: T7c holds for any
+    partition of the evicted set, so the certificate stays sound. Returns (index, valid)."""
+    B, Hkv, E = evict_index.shape
+    out_idx, out_ok = evict_index.clone(), evict_valid.clone()
+    for b in range(B):
+        for h in range(Hkv):
+            sel = evict_index[b, h][evict_valid[b, h]]
+            if sel.numel() <= group_size:
+                continue
+            x = keys[b, h, sel].double()                                    # [n, D]
+            order = _pca_split(x, torch.arange(sel.numel()), group_size)
+            n = sel.numel()
+            out_idx[b, h, :n] = sel[order]
+            out_ok[b, h, :n] = True
+            out_ok[b, h, n:] = False
+    return out_idx, out_ok
+
+
+def _pca_split(x, members, gs):
+    """Order of `members` (rows of x) as leaves of a principal-axis split tree, left sizes
+    multiples of gs."""
+    n = members.numel()
+    if n <= gs:
+        return members
+    pts = x[members]
+    c = pts - pts.mean(0)
+    axis = torch.linalg.eigh(c.T @ c).eigenvectors[:, -1]
+    order = members[torch.argsort(c @ axis, stable=True)]
+    left = gs * -(-(-(-n // gs)) // 2)                                      # gs * ceil(ceil(n/gs) / 2)
+    return torch.cat([_pca_split(x, order[:left], gs), _pca_split(x, order[left:], gs)])
+
+
 def _band_norms_up(q64, bands):
     """||q_b|| in fp64, rounded up: relative error of sqrt(sum of <= D squares) < (D/2 + 2) u."""
     return q64[..., bands].pow(2).sum(-1).sqrt() * (1 + REL)

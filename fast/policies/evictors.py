@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fast.core.evict import build_group_witness, evict_log_odds, evicted_mass, log_z_kept_lower, tv_from_log_odds
+from fast.core.evict import build_group_witness, cluster_order, evict_log_odds, evicted_mass, log_z_kept_lower, tv_from_log_odds
 
 OBS = 64        # SnapKV observation window (queries)
 KERNEL = 5      # SnapKV pooling kernel
@@ -92,6 +92,7 @@ def select(scores, valid, K, sinks, window):
 class LayerStats:
     """What the prefill collected for one layer (None where not needed)."""
     window: torch.Tensor = None        # [B, Hkv, N] obs-window attention, GQA-averaged
+    window_heads: torch.Tensor = None  # [B, H, N] obs-window attention per query head (PAGE)
     accumulated: torch.Tensor = None   # [B, Hkv, N] attention summed over all queries
     last: torch.Tensor = None          # [B, Hkv, N] last query's attention
     change: torch.Tensor = None        # [B, N] residual change e^l of this layer
@@ -125,7 +126,7 @@ def _gqa_mean(x, Hkv):
 class Collector:
     """Active during a forward: computes, per layer, only the statistics in `needs`.
 
-    needs: subset of {"window", "accumulated", "last", "change"}. `on_decode(layer, query,
+    needs: subset of {"window", "window_heads", "accumulated", "last", "change"}. `on_decode(layer, query,
     key, attention_mask, scale)` is called on every single-token step (certificates)."""
 
     def __init__(self, needs=(), obs=OBS, chunk=256, on_decode=None):
@@ -142,9 +143,12 @@ class Collector:
             return
         st = self.layers.setdefault(layer, LayerStats())
         with torch.no_grad():
-            if "window" in self.needs:
+            if self.needs & {"window", "window_heads"}:
                 w = min(self.obs, q_len)
-                st.window = _gqa_mean(_attention_rows(query, key, attention_mask, scale, range(q_len - w, q_len)).mean(2), Hkv)
+                per_head = _attention_rows(query, key, attention_mask, scale, range(q_len - w, q_len)).mean(2)  # [B, H, N]
+                if "window_heads" in self.needs:
+                    st.window_heads = per_head
+                st.window = _gqa_mean(per_head, Hkv)
             if "last" in self.needs:
                 st.last = _gqa_mean(_attention_rows(query, key, attention_mask, scale, [q_len - 1])[:, :, 0], Hkv)
             if "accumulated" in self.needs:
@@ -220,14 +224,27 @@ def collecting(model, collector):
 
 # ---------------------------------------------------------------- the evictors
 
+def _option(method, key, value, allowed):
+    if value not in allowed:
+        raise ValueError(f"{method}: {key} must be one of {', '.join(allowed)}, got {value!r}")
+    return value
+
+
 class Evictor:
-    """Shared interface. Subclasses set `name`, `needs` and `scores(keys, stats, valid)`."""
+    """Shared interface. Subclasses set `name`, `needs` and `scores(keys, stats, valid)`.
+
+    sinks / window: the first `sinks` and the last `window` real tokens are always kept (forced);
+    0 and 0 turn forcing off (pure scores). `options` lists a method's convention switches."""
     name = ""
     needs = ()
+    options = {}
 
     def __init__(self, budget, *, sinks=SINKS, window=WINDOW, seed=0):
         keep_count(budget, 10 ** 9)            # validates
-        self.budget, self.sinks, self.window, self.seed = budget, sinks, window, seed
+        for key, val in (("sinks", sinks), ("window", window)):
+            if int(val) != val or val < 0:
+                raise ValueError(f"{key} must be a non-negative integer, got {val!r}")
+        self.budget, self.sinks, self.window, self.seed = budget, int(sinks), int(window), seed
 
     def __repr__(self):
         return f"{self.name}:{self.budget}"
@@ -259,17 +276,36 @@ class SnapKV(Evictor):
 
 
 class H2O(Evictor):
+    """norm="sum" (H2O's accumulated attention, the paper's score) or "mean" (divided by the number
+    of queries that see the token, n - pos: early tokens no longer win by being seen more often)."""
     name, needs = "h2o", ("accumulated",)
+    options = {"norm": ("sum", "mean")}
+
+    def __init__(self, budget, *, norm="sum", **kw):
+        super().__init__(budget, **kw)
+        self.norm = _option("h2o", "norm", norm, self.options["norm"])
 
     def scores(self, keys, stats, valid):
-        return stats.accumulated
+        if self.norm == "sum":
+            return stats.accumulated
+        seen_by = (valid.sum(-1, keepdim=True) - positions(valid)).clamp_min(1)     # [B, N] queries j..n-1
+        return stats.accumulated / seen_by[:, None, :]
 
 
 class TOVA(Evictor):
+    """heads="kv" (kvcert: one keep set per KV head, the mean over its query heads) or "all" (the
+    TOVA paper: the mean over all query heads, one keep set per layer)."""
     name, needs = "tova", ("last",)
+    options = {"heads": ("kv", "all")}
+
+    def __init__(self, budget, *, heads="kv", **kw):
+        super().__init__(budget, **kw)
+        self.heads = _option("tova", "heads", heads, self.options["heads"])
 
     def scores(self, keys, stats, valid):
-        return stats.last
+        if self.heads == "kv":
+            return stats.last
+        return stats.last.mean(1, keepdim=True).expand_as(stats.last)    # equal GQA groups: = mean over H
 
 
 class KNorm(Evictor):
@@ -357,9 +393,14 @@ class EpiKV(Evictor):
 EVICTORS = {c.name: c for c in (SnapKV, H2O, TOVA, KNorm, Random, StreamingLLM, EpiKV)}
 
 
-def make_evictor(spec):
-    """'snapkv:256' (tokens), 'h2o:0.25' (ratio), 'streaming:128', 'epikv:256' -> Evictor."""
-    name, _, budget = spec.partition(":")
+def make_evictor(spec, **options):
+    """'snapkv:256' (tokens), 'h2o:0.25' (ratio), 'streaming:128', 'epikv:256' -> Evictor.
+
+    Conventions after a second colon, comma-separated key=value (or as keyword arguments):
+    'tova:256:heads=all,sinks=0,window=0' (the TOVA paper), 'h2o:256:norm=mean,window=128'.
+    Keys: sinks, window (ints, 0 = not forced), seed, and the method's `options`."""
+    name, _, rest = spec.partition(":")
+    budget, _, opts = rest.partition(":")
     if name not in EVICTORS:
         raise ValueError(f"unknown evictor {name!r}; choose from {', '.join(EVICTORS)}")
     if not budget:
@@ -368,7 +409,24 @@ def make_evictor(spec):
         b = float(budget) if "." in budget else int(budget)
     except ValueError:
         raise ValueError(f"budget {budget!r} is neither a token count nor a ratio") from None
-    return EVICTORS[name](b)
+    cls = EVICTORS[name]
+    kw = {}
+    for item in filter(None, opts.split(",")):
+        key, eq, val = item.partition("=")
+        if not eq:
+            raise ValueError(f"evictor option {item!r} is not key=value")
+        kw[key] = val
+    kw.update(options)
+    for key, val in list(kw.items()):
+        if key in ("sinks", "window", "seed") or (key == "z_window" and name == "epikv"):
+            try:
+                kw[key] = int(val)
+            except (TypeError, ValueError):
+                raise ValueError(f"evictor option {key}={val!r} must be an integer") from None
+        elif key not in cls.options:
+            raise ValueError(f"{name} has no option {key!r}; it takes sinks, window, seed"
+                             + "".join(f", {k}" for k in cls.options))
+    return cls(b, **kw)
 
 
 # ---------------------------------------------------------------- caches
@@ -441,7 +499,8 @@ def prefill(model, input_ids, attention_mask=None, *, needs=(), cache=None):
     col = Collector(needs)
     pos = positions(valid).clamp_min(0)
     with torch.no_grad(), collecting(model, col):
-        out = model(input_ids=input_ids, attention_mask=valid.long(), position_ids=pos, cache=cache, use_cache=True)
+        out = model(input_ids=input_ids, attention_mask=valid.long(), position_ids=pos, cache=cache, use_cache=True,
+                    logits_to_keep=1)                          # only the last position's logits are used
     return Prefill(out.logits[:, -1].float(), cache, valid, col.layers)
 
 
@@ -453,17 +512,22 @@ class Eviction:
     witnesses: list               # per layer GroupWitness (or None)
     bytes_before: int
     bytes_after: int
-    evicted: bool                 # False when the PAGE gate kept the full cache
+    evicted: bool                 # False when the PAGE gate kept the full cache (every row)
     page_drop: object = None      # [B] drop D, when a gate ran
-    full_keys: list = field(default_factory=list)   # shadow mode only: pre-eviction keys per layer
+    full_keys: list = field(default_factory=list)   # shadow mode only: pre-eviction EXACT keys per layer
+    rows: object = None           # bool [B]: the rows that evicted (PAGE decides per row)
+    variants: dict = field(default_factory=dict)    # name -> per-layer GroupWitness (witness study)
 
     @property
     def witness_bytes(self):
         return sum(w.nbytes for w in self.witnesses if w is not None)
 
 
-def _witness_of_evicted(k, rho, valid, idx, num_bands, group_size):
-    """Group witness of the real tokens of k [B, Hkv, N, D] not in idx [B, Hkv, K] (None if none)."""
+def _witness_of_evicted(k, rho, valid, idx, num_bands, group_size, cluster=False):
+    """Group witness of the real tokens of k [B, Hkv, N, D] not in idx [B, Hkv, K] (None if none).
+
+    cluster=False: groups of consecutive evicted positions; True: groups of nearby keys (a
+    principal-axis split tree, fast.core.evict.cluster_order). T7c holds for any partition."""
     from fast.core.rope import rope_bands
     B, Hkv, N, D = k.shape
     gone = valid[:, None, :].expand(B, Hkv, N).clone()
@@ -474,39 +538,76 @@ def _witness_of_evicted(k, rho, valid, idx, num_bands, group_size):
     order = torch.sort(gone.long(), dim=-1, descending=True, stable=True).indices
     ev_idx = order[..., :E].sort(-1).values                    # evicted positions, by position
     bands = rope_bands(D, num_bands, "rotate_half")
-    return build_group_witness(k.float(), ev_idx, bands, group_size=group_size, evict_valid=gone.gather(2, ev_idx),
-                               rho=rho)
+    ev_valid = gone.gather(2, ev_idx)
+    if cluster:
+        ev_idx, ev_valid = cluster_order(k, ev_idx, ev_valid, group_size)
+    return build_group_witness(k.float(), ev_idx, bands, group_size=group_size, evict_valid=ev_valid, rho=rho)
 
 
-def evict(pre, evictor, *, page=None, witness=True, group_size=32, num_bands=8, shadow=False):
+def _page_scores(pre, page, L):
+    """The per-layer scores PAGE measures agreement on: query heads [B, H, N] or KV heads [B, Hkv, N]."""
+    if getattr(page, "heads", "kv") == "query":
+        return [pre.layers[l].window_heads for l in range(L)]
+    return [pre.layers[l].window for l in range(L)]
+
+
+def evict(pre, evictor, *, page=None, witness=True, group_size=32, num_bands=8, shadow=False, variants=None):
     """Choose keep sets from the prefill statistics, gate with PAGE, shrink the cache.
 
-    Batch rows are gated together (a rectangular cache): the gate evicts only when every
-    row's drop clears tau; call per row for per-row decisions."""
+    PAGE decides per batch row. When every row evicts, the cache shrinks to the budget; when
+    none does, nothing changes; in a mixed batch the cache keeps the width of the full rows and
+    the evicted rows' slots are masked out (padding slots on the left), so their attention is
+    exactly the evicted one but their memory is freed only when the whole batch evicts.
+    variants: {name: {"group_size": g, "cluster": bool}} extra witnesses of the same evicted
+    set, certified side by side in the trace (the witness study)."""
     kv = [layer_kv(layer) for layer in pre.cache.layers]
     before = cache_nbytes(pre.cache)
-    drop = None
+    B = pre.valid.shape[0]
+    drop, rows = None, torch.ones(B, dtype=torch.bool)
     if page is not None:
-        drop = page.drop([pre.layers[l].window for l in range(len(kv))], pre.valid, evictor)
-        if not bool(page.decide(drop).all()):
-            return Eviction([], pre.valid, [], before, before, False, drop)
+        drop = page.drop(_page_scores(pre, page, len(kv)), pre.valid, evictor)
+        rows = page.decide(drop)
+        if not bool(rows.any()):
+            return Eviction([], pre.valid, [], before, before, False, drop, rows=rows)
     evictor.prepare(pre.layers, pre.valid)
-    keep, kept_valid, wits, full = [], None, [], []
+    keep, kept_valid, wits, full, extra = [], None, [], [], {v: [] for v in (variants or {})}
     for l, (k, v, rho) in enumerate(kv):
         idx, kept_valid = evictor.keep_index(k, pre.layers.get(l, LayerStats()), pre.valid)
+        if not bool(rows.all()):
+            idx, kept_valid = _mixed_rows(idx, kept_valid, pre.valid, rows)
         keep.append(idx)
         if witness:
             wits.append(_witness_of_evicted(k, rho, pre.valid, idx, num_bands, group_size))
+            for name, opt in (variants or {}).items():
+                extra[name].append(_witness_of_evicted(k, rho, pre.valid, idx, num_bands, opt.get("group_size", group_size),
+                                                       cluster=opt.get("cluster", False)))
         if shadow:                                             # the truth: exact keys, never the served ones
             full.append(exact_keys(pre.cache.layers[l]).clone())
     shrink_cache(pre.cache, keep)
     if isinstance(evictor, EpiKV):
         evictor.kept(keep[0][:, 0])                            # head-shared scores: one keep set
-    return Eviction(keep, kept_valid, wits, before, cache_nbytes(pre.cache), True, drop, full)
+    return Eviction(keep, kept_valid, wits, before, cache_nbytes(pre.cache), True, drop, full, rows=rows,
+                    variants=extra)
+
+
+def _mixed_rows(idx, kept_valid, valid, rows):
+    """A batch where only `rows` evict: width N; full rows keep every slot; evicted rows put their
+    K kept slots last, preceded by masked slots that repeat their first kept index (so no evicted
+    token is ever mistaken for a kept one by the witness or the shadow truth)."""
+    B, Hkv, K = idx.shape
+    N = valid.shape[1]
+    out = torch.arange(N).expand(B, Hkv, N).clone()
+    ok = valid.clone()
+    for b in torch.nonzero(rows).flatten().tolist():
+        out[b] = torch.cat([idx[b, :, :1].expand(Hkv, N - K), idx[b]], 1)
+        ok[b] = torch.cat([torch.zeros(N - K, dtype=torch.bool), kept_valid[b]])
+    return out, ok
 
 
 def _needs(evictor, page):
-    return set(evictor.needs) | ({"window"} if page is not None else set())
+    if page is None:
+        return set(evictor.needs)
+    return set(evictor.needs) | ({"window_heads"} if getattr(page, "heads", "kv") == "query" else {"window"})
 
 
 class Certifier:
@@ -519,7 +620,7 @@ class Certifier:
         self.valid_full = valid_prefill                        # [B, N_all] over the exact copy
         self.full = list(ev.full_keys)                         # per layer [B, Hkv, N_all, D]
         self.orig = list(ev.keep)                              # per layer [B, Hkv, slots]
-        self.step_bounds, self.step_true, self.step_log_odds = {}, {}, {}
+        self.step_bounds, self.step_true, self.step_log_odds, self.step_variants = {}, {}, {}, {}
 
     def __call__(self, layer, q, key, attention_mask, scale):
         w = self.ev.witnesses[layer] if self.ev.witnesses else None
@@ -536,6 +637,8 @@ class Certifier:
         if w is None:  # the witness is None only when no real token was evicted: TV(p, p^K) = 0 (T7a)
             zero = torch.zeros(q.shape[:2], dtype=torch.float32)   # [B, H]
             self.step_bounds[layer], self.step_log_odds[layer] = zero, torch.full_like(zero, -torch.inf)
+            for name in self.ev.variants:
+                self.step_variants.setdefault(name, {})[layer] = self.step_log_odds[layer]
             if self.shadow:
                 self.step_true[layer] = zero
             return
@@ -548,6 +651,9 @@ class Certifier:
             lz = log_z_kept_lower(q, key, scale, valid=self.valid_now, c=c)
             d = evict_log_odds(q, w.groups, lz, scale, w.bands)
             self.step_log_odds[layer] = d
+            for name, ws in self.ev.variants.items():                 # the witness study: same q, same L
+                wv = ws[layer]
+                self.step_variants.setdefault(name, {})[layer] = evict_log_odds(q, wv.groups, lz, scale, wv.bands)
             self.step_bounds[layer] = tv_from_log_odds(d)
             if self.shadow:
                 full = self.full[layer]
@@ -579,6 +685,10 @@ def reevict(cache, evictor, valid_now, K, *, ev=None, cert=None, group_size=32, 
             w = _witness_of_evicted(k, rho, valid_now, idx, num_bands, group_size)
             if w is not None:
                 ev.witnesses[l] = w if ev.witnesses[l] is None else ev.witnesses[l].cat(w)
+            for name, ws in ev.variants.items():                   # the study's witnesses grow too
+                wv = _witness_of_evicted(k, rho, valid_now, idx, num_bands, group_size)
+                if wv is not None:
+                    ws[l] = wv if ws[l] is None else ws[l].cat(wv)
         if cert is not None:
             cert.kept(l, idx)
         shrink_cache(_OneLayer(cache, l), [idx])
@@ -620,12 +730,13 @@ def generate(model, input_ids, attention_mask=None, *, evictor=None, page=None, 
 
 
 def decode(model, pre, ev, *, max_new_tokens=16, certify=True, shadow=False, eos_token_id=None,
-           evictor=None, decode_every=None, group_size=32):
+           evictor=None, decode_every=None, group_size=32, cert_steps=None):
     """Greedy decoding from a prefill (evicted by `ev`, or not when ev is None / gated off).
 
     New tokens take the positions that follow the prompt (RoPE), whatever was evicted; the 2D
     mask follows the kept layout (left padding preserved). With `evictor` and `decode_every`,
-    the cache is evicted back to the budget every `decode_every` new tokens."""
+    the cache is evicted back to the budget every `decode_every` new tokens. cert_steps: certify
+    (and trace) only the first that many steps (evaluation cost); None = every step."""
     evicted = ev is not None and ev.evicted
     valid_now = ev.kept_valid if evicted else pre.valid
     K = valid_now.shape[1]
@@ -640,10 +751,12 @@ def decode(model, pre, ev, *, max_new_tokens=16, certify=True, shadow=False, eos
         if eos_token_id is not None and bool((tok == eos_token_id).all()):
             break
         valid_now = torch.cat([valid_now, torch.ones(valid_now.shape[0], 1, dtype=torch.bool)], 1)
+        if cert is not None and cert_steps is not None and t >= cert_steps:
+            cert = None                                                # the trace stops here
         col = Collector(needs=evictor.needs if rolling else (), on_decode=cert)
         if cert is not None:
             cert.valid_now = valid_now
-            cert.step_bounds, cert.step_true, cert.step_log_odds = {}, {}, {}
+            cert.step_bounds, cert.step_true, cert.step_log_odds, cert.step_variants = {}, {}, {}, {}
         with torch.no_grad(), collecting(model, col):
             out = model(input_ids=tok[:, None], attention_mask=valid_now.long(), position_ids=next_pos[:, None],
                         cache=pre.cache, use_cache=True)
@@ -655,6 +768,8 @@ def decode(model, pre, ev, *, max_new_tokens=16, certify=True, shadow=False, eos
                     "log_odds": torch.stack([cert.step_log_odds[l] for l in sorted(cert.step_log_odds)])}
             if shadow:
                 step["true"] = torch.stack([cert.step_true[l] for l in sorted(cert.step_true)])
+            if cert.step_variants:
+                step["variants"] = {name: torch.stack([d[l] for l in sorted(d)]) for name, d in cert.step_variants.items()}
             trace.append(step)
         if rolling:
             if isinstance(evictor, EpiKV):

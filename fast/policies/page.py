@@ -1,7 +1,10 @@
 """PAGE: gate an evictor on the head-agreement drop (anchors.md section 2).
 
 OUR RECONSTRUCTION: the PAGE paper has no public code; this follows the definition written
-in anchors.md section 2, from the abstract. Per layer l and KV head g take the SnapKV
+in anchors.md section 2, from the abstract. Heads: the seed speaks of attention heads, so by
+default g runs over the QUERY heads (9 on SmolLM2: 36 pairs per layer, each head's own
+observation-window attention); heads="kv" measures the 3 GQA-averaged KV heads instead (the
+first version). Per layer l and head g take the SnapKV
 observation-window scores s^{l,g} over the candidate prefix tokens (sinks and the recent
 window excluded: they are kept anyway) and the kept sets T^{l,g} = TopK(s^{l,g}, k) at the
 evictor's budget k (the tokens chosen by score, at least half the non-sink budget). Then
@@ -34,7 +37,8 @@ def _pooled(s):
 def layer_agreement(scores, candidates, k):
     """Chance-corrected mean pairwise Jaccard of the per-KV-head top-k sets: [B].
 
-    scores: [B, Hkv, N]; candidates: bool [B, N]; k: kept tokens per head (1 <= k < N_cand)."""
+    scores: [B, G, N] (G query or KV heads); candidates: bool [B, N]; k: kept tokens per head
+    (1 <= k < N_cand)."""
     B, Hkv, N = scores.shape
     if Hkv < 2:
         raise ValueError("head agreement needs at least 2 KV heads")
@@ -55,7 +59,7 @@ def layer_agreement(scores, candidates, k):
 
 
 def head_agreement_drop(window_scores, valid, budget, *, sinks=SINKS, window=WINDOW):
-    """The drop D [B] from per-layer SnapKV window attention (list of [B, Hkv, N]).
+    """The drop D [B] from per-layer SnapKV window attention (list of [B, G, N], G heads).
 
     Returns (drop [B], per-layer agreement [L, B]). Rows where nothing would be evicted
     get drop +inf (the gate then passes the evictor through: it is a no-op)."""
@@ -82,19 +86,28 @@ def head_agreement_drop(window_scores, valid, budget, *, sinks=SINKS, window=WIN
     return agree[:third].mean(0) - agree[-third:].mean(0), agree
 
 
-class Page:
-    """The gate: `drop(...)` then `decide(drop)`; evict iff drop >= tau."""
+HEADS = ("query", "kv")
 
-    def __init__(self, tau):
+
+class Page:
+    """The gate: `drop(...)` then `decide(drop)`; evict iff drop >= tau, decided per batch row.
+
+    heads: "query" (agreement over the query heads, default) or "kv" (GQA-averaged KV heads);
+    tau must have been calibrated with the same choice."""
+
+    def __init__(self, tau, heads="query"):
         if not math.isfinite(tau):
             raise ValueError(f"tau must be finite, got {tau}")
-        self.tau = float(tau)
+        if heads not in HEADS:
+            raise ValueError(f"PAGE heads must be one of {', '.join(HEADS)}, got {heads!r}")
+        self.tau, self.heads = float(tau), heads
         self.last_drop = None
 
     def __repr__(self):
-        return f"Page(tau={self.tau:.4f})"
+        return f"Page(tau={self.tau:.4f}, heads={self.heads})"
 
     def drop(self, window_scores, valid, evictor):
+        """window_scores: per layer [B, G, N] (query heads for heads="query", KV heads for "kv")."""
         d, _ = head_agreement_drop(window_scores, valid, evictor.budget, sinks=evictor.sinks, window=evictor.window)
         self.last_drop = d
         return d
@@ -104,15 +117,20 @@ class Page:
 
     @classmethod
     def load(cls, path):
-        return cls(json.loads(open(path).read())["tau"])
+        data = json.loads(open(path).read())
+        return cls(data["tau"], data.get("heads", "query"))
 
 
-def prompt_drop(model, input_ids, budget, *, sinks=SINKS, window=WINDOW):
-    """The drop of one prompt batch (runs a prefill collecting the window scores)."""
+def prompt_drop(model, input_ids, budget, *, sinks=SINKS, window=WINDOW, heads="query"):
+    """The drop [B] of one prompt batch (runs a prefill collecting the window scores)."""
     from fast.policies.evictors import prefill
-    pre = prefill(model, input_ids, needs={"window"})
+    if heads not in HEADS:
+        raise ValueError(f"PAGE heads must be one of {', '.join(HEADS)}, got {heads!r}")
+    need = "window_heads" if heads == "query" else "window"
+    pre = prefill(model, input_ids, needs={need})
     L = len(pre.cache.layers)
-    d, _ = head_agreement_drop([pre.layers[l].window for l in range(L)], pre.valid, budget, sinks=sinks, window=window)
+    scores = [getattr(pre.layers[l], need) for l in range(L)]
+    d, _ = head_agreement_drop(scores, pre.valid, budget, sinks=sinks, window=window)
     return d
 
 
@@ -126,7 +144,7 @@ def calibrate(drops, evict_rate=0.5):
     return float(torch.quantile(d, 1 - evict_rate))
 
 
-def calibrate_model(model, prompts, budget, *, evict_rate=0.5):
+def calibrate_model(model, prompts, budget, *, evict_rate=0.5, heads="query"):
     """prompts: list of LongTensor [1, N] -> (tau, drops)."""
-    drops = [float(prompt_drop(model, p, budget)[0]) for p in prompts]
+    drops = [float(prompt_drop(model, p, budget, heads=heads)[0]) for p in prompts]
     return calibrate(drops, evict_rate), drops
