@@ -26,6 +26,8 @@ def parse_gate(spec):
     kind, sep, arg = spec.partition(":")
     if kind == "certified" and sep:
         try:
+            if not arg.isascii():  # float() would take '٠.٢'
+                raise ValueError
             tau = float(arg)
         except ValueError:
             raise ValueError(f"gate {spec!r}: TAU must be a number in [0, 1], got {arg!r}") from None
@@ -33,7 +35,7 @@ def parse_gate(spec):
             raise ValueError(f"gate {spec!r}: TAU must be in [0, 1], got {tau}")
         return Gate("certified", tau=tau)
     if kind == "risk" and sep:
-        if not arg.isdigit():
+        if not (arg.isascii() and arg.isdigit()):  # isdigit alone takes '٣' (int: 3) and '³' (int: error)
             raise ValueError(f"gate {spec!r}: K must be a non-negative integer, got {arg!r}")
         return Gate("risk", k=int(arg))
     raise ValueError(f"unknown gate {spec!r}: use none, certified:TAU or risk:K")

@@ -6,22 +6,32 @@
     kvcert demo
     kvcert calibrate-page --budget 256 --out page.json                              # PAGE tau (fast.tools.evict_cli)
 
-Bad input (unknown scheme, gate or evictor, malformed TAU or budget, a prompt longer than
-the model's context, a missing model package) prints one line and exits with status 2.
+Bad input (a malformed or out-of-range option, an unknown scheme, gate or evictor, a prompt
+file that is missing, unreadable, not UTF-8 or empty, an --out that cannot be written or holds
+other files, a prompt longer than the model's context, a corrupt trace, a missing model
+package) prints one line, "kvcert: error: ...", and exits with status 2. Everything that does
+not need the model is checked before it loads, everything else before generation starts; --out
+is written to a temp directory renamed into place at the end, so a failed run leaves nothing.
 """
 
 import argparse
+import math
 import random
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
+
+from fast.tools.inputs import Parser, UsageError, check_out, integer, one_line, read_prompt, real, staged
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
 DEFAULT_OUT = "runs/latest"
 
-
-class UsageError(Exception):
-    """Reported as one line, no traceback."""
+# The shipped model's shape (fast.integrations.model), for the checks made before it loads;
+# the loaded model's own config is checked again before generation starts.
+SMOLLM2 = SimpleNamespace(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                          hidden_size=576, max_position_embeddings=8192)
 
 
 # ---- prompts ----
@@ -45,13 +55,16 @@ def passkey_prompt(n_filler=40, key=None, depth=0.4, seed=0):
 
 # ---- generation ----
 
-def new_cache(model, args):
+def new_cache(model, args, config=None):
+    """The CertifiedCache of one run. --seed is passed only when given: without it the cache
+    chooses the dither (fresh per request once the core does so)."""
     from fast.integrations.hf_cache import CertifiedCache
     from fast.integrations.hf_meter import set_current
     set_current(None)
-    return CertifiedCache(model.config, args.scheme, gate=args.gate, sinks=args.sinks, window=args.window,
-                          shadow=args.shadow, seed=args.seed, delta_req=args.delta_req, offload=args.offload,
-                          derived=args.witness == "derived")
+    seed = {} if getattr(args, "seed", None) is None else {"seed": args.seed}
+    return CertifiedCache(config or model.config, args.scheme, gate=args.gate, sinks=args.sinks, window=args.window,
+                          shadow=args.shadow, delta_req=args.delta_req, offload=args.offload,
+                          derived=args.witness == "derived", **seed)
 
 
 def prefill_exact(model, ids, progress=True, desc=""):
@@ -149,31 +162,127 @@ def load(args_progress=True):
     return enable(model), tok
 
 
-def check_args(args):
-    """Validate scheme, gate and options before loading anything (one-line errors)."""
-    from fast.integrations.hf_cache import parse_gate
+def check_args(args, config=SMOLLM2):
+    """Check the options of run/demo (one-line UsageError) before loading anything, and again with
+    the loaded model's config before generating. Ranges the core owns are checked by the core:
+    a CertifiedCache is built for `config` (scheme; gate, risk:K against the (layer, KV head)
+    slots; sinks; window; delta_req; offload), a token goes through an int8_dither cache seeded
+    with --seed, the dither budget is evaluated at the last decode step, and with --evict a
+    token is dropped from a small cache of --scheme. Returns (evictor, page)."""
     from fast.core.schemes import SchemeError, get_scheme
-    try:
-        get_scheme(args.scheme)
-        parse_gate(args.gate)
-    except (SchemeError, ValueError) as e:
-        raise UsageError(str(e)) from None
-    if not 0 < args.delta_req < 1:
-        raise UsageError(f"--delta-req must lie in (0, 1), got {args.delta_req}")
-    if args.max_new_tokens < 1:
-        raise UsageError("--max-new-tokens must be >= 1")
-    if getattr(args, "evict_group_size", 1) < 1:
-        raise UsageError("--evict-group-size must be >= 1")
     from fast.tools.evict_cli import from_args
+    limit = config.max_position_embeddings
+    if not 1 <= args.max_new_tokens < limit:
+        raise UsageError(f"--max-new-tokens must lie in [1, {limit - 1}] (the model's context is {limit} tokens), "
+                         f"got {args.max_new_tokens}")
+    if getattr(args, "evict_group_size", 1) < 1:
+        raise UsageError(f"--evict-group-size must be >= 1, got {args.evict_group_size}")
+    try:
+        scheme = get_scheme(args.scheme)
+        if scheme.dither and 0 < args.delta_req < 1:
+            _check_dither_budget(args, config)
+        new_cache(None, args, config)
+    except (SchemeError, ValueError, TypeError) as e:
+        raise UsageError(str(e)) from None
+    if args.seed is not None:
+        try:
+            _probe(config, "int8_dither", args.seed)
+        except (ValueError, TypeError, RuntimeError, OverflowError) as e:
+            raise UsageError(f"--seed {args.seed}: refused by the dither ({e})") from None
     try:
         evict, page = from_args(args)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    scheme = get_scheme(args.scheme)
-    if evict is not None and (scheme.block_k > 1 or scheme.dither):
-        why = f"quantizes keys in blocks of {scheme.block_k} tokens" if scheme.block_k > 1 else "keeps dither counters that follow contiguous tokens"
-        raise UsageError(f"--evict needs a per-token scheme: {args.scheme} {why} (try int8, int4 or fp8_e4m3)")
+    if evict is not None:
+        if scheme.block_k > 1 or scheme.dither:
+            why = (f"quantizes keys in blocks of {scheme.block_k} tokens" if scheme.block_k > 1
+                   else "keeps dither counters that follow contiguous tokens")
+            raise UsageError(f"--evict needs a per-token scheme: {args.scheme} {why}{_evictable_hint(config)}")
+        try:
+            _probe(config, args.scheme, None, evict=True)
+        except (SchemeError, ValueError, TypeError, RuntimeError, NotImplementedError) as e:
+            raise UsageError(f"--evict with --scheme {args.scheme}: this cache cannot drop tokens here "
+                             f"({type(e).__name__}: {e}){_evictable_hint(config)}") from None
     return evict, page
+
+
+def _probe(config, scheme, seed, evict=False):
+    """A few random tokens through layer 0 of a CertifiedCache(config, scheme, sinks=0, window=0):
+    the scheme encodes them (with the core's checks of `seed`), and with evict=True one token is
+    dropped with keep_tokens, the path --evict takes after the prefill."""
+    import torch
+    from fast.core.schemes import get_scheme
+    from fast.integrations.hf_cache import CertifiedCache
+    from fast.integrations.hf_meter import set_current
+    Hkv = config.num_key_value_heads
+    D = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    n = 2 * get_scheme(scheme).block_k
+    cache = CertifiedCache(config, scheme, sinks=0, window=0, **({} if seed is None else {"seed": seed}))
+    x = torch.randn(1, Hkv, n, D, generator=torch.Generator().manual_seed(0))
+    try:
+        cache.update(x, x.flip(2), 0)
+        if evict:
+            cache.keep_tokens(0, torch.arange(1, n).expand(1, Hkv, n - 1))
+    finally:
+        set_current(None)
+
+
+def _evictable_hint(config):
+    """' (per-token schemes that can: a, b)' from the registered schemes that pass the eviction probe."""
+    from fast.core.schemes import get_scheme, scheme_names
+    ok = []
+    for name in scheme_names():
+        s = get_scheme(name)
+        if s.block_k > 1 or s.dither:
+            continue
+        try:
+            _probe(config, name, None, evict=True)
+            ok.append(name)
+        except Exception:  # noqa: BLE001 - a scheme that fails the probe is just not suggested
+            pass
+    return f" (schemes that can: {', '.join(ok)})" if ok else ""
+
+
+def smallest_delta_req(config, scheme, t, n):
+    """The smallest delta_req the dither tier can use up to decode step t over n keys: the core
+    decides, by bisection on the fp64 grid (its checks are monotone in delta_req): a
+    CertifiedCache(config, scheme) accepts it, and the meter's local budget of step t
+    (budget_local, T6e) leaves a finite radius factor (radius_factor, T6c)."""
+    import struct
+    from fast.core.dither import budget_local, radius_factor
+    from fast.integrations.hf_cache import CertifiedCache
+    L, H = config.num_hidden_layers, config.num_attention_heads
+
+    def value(bits):
+        return struct.unpack("<d", struct.pack("<q", bits))[0]
+
+    def usable(bits):
+        d = value(bits)
+        try:
+            CertifiedCache(config, scheme, sinks=0, window=0, seed=0, delta_req=d)
+            return math.isfinite(radius_factor(n, budget_local(d, L, H, t)))
+        except (ValueError, OverflowError, ZeroDivisionError):
+            return False
+
+    lo, hi = 0, struct.unpack("<q", struct.pack("<d", 0.5))[0]  # 0.0 unusable, 0.5 usable
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if usable(mid) else (mid, hi)
+    return value(hi)
+
+
+def _check_dither_budget(args, config):
+    """--delta-req too small for the dither tier (its local budgets delta_req / (L H t (t+1))
+    underflow): refused with the smallest usable value, checked at the last step of
+    --max-new-tokens over a full context."""
+    t = max(args.max_new_tokens - 1, 1)  # decode steps (the first token comes from the prefill)
+    least = smallest_delta_req(config, args.scheme, t, config.max_position_embeddings)
+    if args.delta_req < least:
+        shown = float(f"{least:.2e}")
+        while shown < least:
+            shown = float(f"{shown * 1.001:.2e}")
+        raise UsageError(f"--delta-req {args.delta_req!r} is too small: the dither tier's per-read budget "
+                         f"delta_req / (L H t (t+1)) underflows fp64; the smallest usable value is {shown:g}")
 
 
 def prompt_ids(tok, model, text, max_new):
@@ -212,7 +321,7 @@ def run_one(model, tok, ids, args, progress=True, desc="", shared=None):
     secs = time.perf_counter() - t0
     answer = tok.decode(out, skip_special_tokens=True).strip()
     meta = {"command": " ".join(sys.argv), "answer": answer, "prompt_tokens": len(ids), "new_tokens": len(out),
-            "seconds": round(secs, 3), "sinks": args.sinks, "window": args.window, "seed": args.seed,
+            "seconds": round(secs, 3), "sinks": args.sinks, "window": args.window, "seed": cache.seed,
             "delta_req": args.delta_req, "offload": args.offload, "witness": args.witness, "shadow": args.shadow}
     if info is not None:
         meta["eviction"] = info
@@ -223,32 +332,38 @@ def run_one(model, tok, ids, args, progress=True, desc="", shared=None):
 
 
 def cmd_run(args):
+    text = read_prompt(args.prompt_file)
+    check_out(args.out)
     check_args(args)
-    path = Path(args.prompt_file)
-    if not path.is_file():
-        raise UsageError(f"prompt file not found: {path}")
-    text = path.read_text()
     model, tok = load()
+    check_args(args, model.config)
     ids = prompt_ids(tok, model, text, args.max_new_tokens)
     answer, tr = run_one(model, tok, ids, args)
     from fast.tools import trace as T
-    out = T.save(tr, args.out)
+    with staged(args.out) as tmp:
+        T.save(tr, tmp)
     print(f"answer: {answer}")
     print(T.format_summary(T.summary(tr)))
-    print(f"trace and plots: {out}/")
+    print(f"trace and plots: {args.out}/")
     return 0
 
 
 def cmd_report(args):
+    """Re-render a saved trace: everything is read and checked (trace.load) and the summary is
+    formatted before the first plot is written; each plot replaces its file atomically."""
     from fast.tools import trace as T
     try:
         tr = T.load(args.dir)
-    except FileNotFoundError as e:
+        text = T.format_summary(T.summary(tr))
+    except (T.TraceError, FileNotFoundError) as e:
         raise UsageError(str(e)) from None
-    files = T.plots(tr, args.dir)
+    try:
+        files = T.plots(tr, args.dir)
+    except OSError as e:
+        raise UsageError(f"{args.dir}: cannot write the plots ({e.strerror or e})") from None
     if tr.meta.get("answer") is not None:
         print(f"answer: {tr.meta['answer']}")
-    print(T.format_summary(T.summary(tr)))
+    print(text)
     print(f"plots: {', '.join(str(f) for f in files) or 'none (no decode steps)'}")
     return 0
 
@@ -259,24 +374,44 @@ def cmd_report(args):
 DEMO_HARM = "kivi2"
 
 
+def demo_runs(args):
+    """(label, args) of the four compressed runs of the demo."""
+    runs = [(DEMO_HARM, "none", "full"), (DEMO_HARM, f"certified:{args.tau}", "full"),
+            (DEMO_HARM, f"certified:{args.tau}", "residual"), ("int8_dither", "none", "full")]
+    out = []
+    for scheme, gate, offload in runs:
+        a = argparse.Namespace(**vars(args))
+        a.scheme, a.gate, a.offload = scheme, gate, offload
+        out.append((gate if gate == "none" else f"{gate}/{offload}", a))
+    return out
+
+
 def cmd_demo(args):
+    limit = SMOLLM2.max_position_embeddings
+    if not 0 <= args.filler <= limit:  # a filler sentence is more than one token
+        raise UsageError(f"--filler must lie in [0, {limit}], got {args.filler}")
+    check_out(args.out)
+    runs = demo_runs(args)
+    for _, a in runs:
+        check_args(a)
     from fast.tools import trace as T
     model, tok = load()
-    text, key = passkey_prompt(n_filler=args.filler, seed=args.seed)
+    for _, a in runs:
+        check_args(a, model.config)
+    text, key = passkey_prompt(n_filler=args.filler, seed=0 if args.seed is None else args.seed)
     ids = prompt_ids(tok, model, text, args.max_new_tokens)
     print(f"passkey demo: {len(ids)} prompt tokens, the pass key is {key}")
     shared = prefill_exact(model, ids)  # the prefill reads exact keys under every scheme: share it
     base = decode(model, ids, None, args.max_new_tokens, eos=tok.eos_token_id, desc="uncompressed ", shared=shared)
     rows = [("uncompressed", "-", tok.decode(base, skip_special_tokens=True).strip(), None)]
-    runs = [(DEMO_HARM, "none", "full"), (DEMO_HARM, f"certified:{args.tau}", "full"),
-            (DEMO_HARM, f"certified:{args.tau}", "residual"), ("int8_dither", "none", "full")]
-    for scheme, gate, offload in runs:
-        a = argparse.Namespace(**vars(args))
-        a.scheme, a.gate, a.offload = scheme, gate, offload
-        answer, tr = run_one(model, tok, ids, a, desc=f"{scheme}/{gate} ", shared=shared)
-        label = gate if gate == "none" else f"{gate}/{offload}"
-        T.save(tr, Path(args.out) / f"{scheme}_{label.replace(':', '_').replace('/', '_')}")
-        rows.append((scheme, label, answer, T.summary(tr)))
+    traces = []
+    for label, a in runs:
+        answer, tr = run_one(model, tok, ids, a, desc=f"{a.scheme}/{a.gate} ", shared=shared)
+        traces.append((f"{a.scheme}_{label.replace(':', '_').replace('/', '_')}", tr))
+        rows.append((a.scheme, label, answer, T.summary(tr)))
+    with staged(args.out) as tmp:
+        for name, tr in traces:
+            T.save(tr, tmp / name)
     print()
     print(f"{'scheme':<14}{'gate/offload':<24}{'correct':<9}{'coverage':>9}{'worst':>8}{'repairs':>8}"
           f"{'dev B/tok':>10}{'off B/tok':>10}  answer")
@@ -297,15 +432,16 @@ def cmd_demo(args):
 
 
 def parser():
-    ap = argparse.ArgumentParser(prog="kvcert", description="Certified compressed KV cache on SmolLM2.")
+    ap = Parser(prog="kvcert", description="Certified compressed KV cache on SmolLM2.")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     def common(p):
-        p.add_argument("--max-new-tokens", type=int, default=24)
-        p.add_argument("--sinks", type=int, default=4, help="first tokens kept exact")
-        p.add_argument("--window", type=int, default=32, help="newest tokens kept exact")
-        p.add_argument("--seed", type=int, default=0, help="dither seed (per request)")
-        p.add_argument("--delta-req", type=float, default=1e-3, help="failure budget of the dither tier")
+        p.add_argument("--max-new-tokens", type=integer, default=24)
+        p.add_argument("--sinks", type=integer, default=4, help="first tokens kept exact")
+        p.add_argument("--window", type=integer, default=32, help="newest tokens kept exact")
+        p.add_argument("--seed", type=integer, default=None,
+                       help="dither seed, for a reproducible run (default: the cache's own choice)")
+        p.add_argument("--delta-req", type=real, default=1e-3, help="failure budget of the dither tier")
         p.add_argument("--offload", choices=("full", "residual"), default="full",
                        help="exact tier for repairs: a full copy, or the int8 residual k - k_hat with its witness")
         p.add_argument("--witness", choices=("stored", "derived"), default="stored",
@@ -328,8 +464,8 @@ def parser():
 
     d = sub.add_parser("demo", help="passkey at ~1.5k tokens: uncompressed, harmful scheme raw and gated, int8_dither")
     d.add_argument("--out", default="runs/demo")
-    d.add_argument("--filler", type=int, default=60, help="filler sentences (60: 1532 prompt tokens)")
-    d.add_argument("--tau", type=float, default=0.2)
+    d.add_argument("--filler", type=integer, default=60, help="filler sentences (60: 1532 prompt tokens)")
+    d.add_argument("--tau", type=real, default=0.2)
     common(d)
     d.set_defaults(fn=cmd_demo, shadow=False)
 
@@ -338,18 +474,26 @@ def parser():
     return ap
 
 
+def error(e):
+    """Print bad input as one line and return the usage exit status."""
+    print(f"kvcert: error: {one_line(e)}", file=sys.stderr)
+    return EXIT_USAGE
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["calibrate-page"]:
-        from fast.tools.evict_cli import calibrate_page_main
-        return calibrate_page_main(argv[1:])
-    args = parser().parse_args(argv)
     from fast.integrations.model import ModelMissing
     try:
+        if argv[:1] == ["calibrate-page"]:
+            from fast.tools.evict_cli import calibrate_page_main
+            return calibrate_page_main(argv[1:])
+        args = parser().parse_args(argv)
         return args.fn(args)
     except (UsageError, ModelMissing) as e:
-        print(f"kvcert: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return error(e)
+    except KeyboardInterrupt:
+        print("kvcert: interrupted (nothing written)", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

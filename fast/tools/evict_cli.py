@@ -14,6 +14,8 @@ import math
 import sys
 from pathlib import Path
 
+from fast.tools.inputs import Parser, UsageError, check_out_file, integer, one_line, read_prompt, real, write_file_atomic
+
 
 def add_run_arguments(parser):
     """Eviction options of `kvcert run`; options the parser already has are left as they are."""
@@ -26,7 +28,7 @@ def add_run_arguments(parser):
         parser.add_argument("--page", default=None, metavar="TAU|FILE",
                             help="gate the evictor with PAGE: a tau, or the JSON of `kvcert calibrate-page`")
     if "--evict-group-size" not in have:
-        parser.add_argument("--evict-group-size", type=int, default=32,
+        parser.add_argument("--evict-group-size", type=integer, default=32,
                             help="evicted tokens per group of the eviction certificate's witness")
     return parser
 
@@ -39,6 +41,8 @@ def from_args(args):
         if getattr(args, "page", None) is not None:
             raise ValueError("--page gates an evictor: give --evict too")
         return None, None
+    if not args.evict.isascii():
+        raise ValueError(f"--evict {args.evict!r}: write the budget in ASCII digits")
     evictor = make_evictor(args.evict)
     page = None
     if args.page is not None:
@@ -50,9 +54,9 @@ def from_args(args):
                                  f"({type(e).__name__}: {e})") from None
         else:
             try:
-                page = Page(float(args.page))
-            except ValueError:
-                raise ValueError(f"--page: {args.page!r} is neither a number nor a calibration file") from None
+                page = Page(real(args.page))
+            except (ValueError, argparse.ArgumentTypeError):
+                raise ValueError(f"--page: {args.page!r} is neither a finite number nor a calibration file") from None
     return evictor, page
 
 
@@ -76,49 +80,84 @@ def trace_summary(out):
     return s
 
 
-def _prompts(args, tok):
-    """Unlabelled prompts: lines of --prompts, else RULER-style haystacks (fixed seeds, no answers used)."""
+def _prompts(args, tok, text=None):
+    """Unlabelled prompts: lines of --prompts (text), else RULER-style haystacks (fixed seeds, no answers used)."""
     import torch
-    if args.prompts:
+    if text is not None:
         from fast.integrations.model import chat_ids
-        lines = [ln for ln in Path(args.prompts).read_text().splitlines() if ln.strip()]
-        return [torch.tensor([chat_ids(tok, ln)]) for ln in lines]
+        return [torch.tensor([chat_ids(tok, ln)]) for ln in text.splitlines() if ln.strip()]
     try:
         from benchmarks.ruler import build, examples
     except ImportError:
-        raise ValueError("give --prompts FILE: the prompt generator (benchmarks/ruler.py) imports from the "
+        raise UsageError("give --prompts FILE: the prompt generator (benchmarks/ruler.py) imports from the "
                          "repository root only") from None
     return [build(tok, ex, args.tokens)[0] for ex in examples(args.n, seed0=10_000)]
 
 
+def parse_budget(text):
+    """--budget as --evict reads it (fast.policies.evictors.make_evictor): a token count or a ratio."""
+    from fast.policies.evictors import make_evictor
+    if not text.isascii():
+        raise UsageError(f"--budget {text!r}: write it in ASCII digits")
+    try:
+        return make_evictor(f"snapkv:{text}").budget
+    except ValueError as e:
+        raise UsageError(f"--budget {text!r}: {e}") from None
+
+
+MAX_PROMPTS = 10_000  # generated prompts for calibrate-page (one prefill each)
+
+
 def calibrate_page_main(argv=None):
     """kvcert calibrate-page: tau = the (1 - evict_rate) quantile of the PAGE drops of unlabelled prompts."""
-    ap = argparse.ArgumentParser(prog="kvcert calibrate-page", description=calibrate_page_main.__doc__)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return _calibrate_page(argv)
+    except UsageError as e:
+        print(f"kvcert: error: {one_line(e)}", file=sys.stderr)
+        return 2
+
+
+def _calibrate_page(argv):
+    from fast.tools.cli import SMOLLM2
+    ap = Parser(prog="kvcert calibrate-page", description=calibrate_page_main.__doc__)
     ap.add_argument("--budget", default="256", help="the evictor's budget (tokens or a ratio), as in --evict")
     ap.add_argument("--prompts", default=None, help="a text file, one unlabelled prompt per line (default: generated)")
-    ap.add_argument("--n", type=int, default=12, help="generated prompts when --prompts is not given")
-    ap.add_argument("--tokens", type=int, default=768, help="length of the generated prompts")
-    ap.add_argument("--evict-rate", type=float, default=0.5, help="share of typical prompts the gate lets evict")
+    ap.add_argument("--n", type=integer, default=12, help=f"generated prompts when --prompts is not given (<= {MAX_PROMPTS})")
+    ap.add_argument("--tokens", type=integer, default=768, help="length of the generated prompts")
+    ap.add_argument("--evict-rate", type=real, default=0.5, help="share of typical prompts the gate lets evict")
     ap.add_argument("--out", default="page.json")
     args = ap.parse_args(argv)
-    from fast.policies.evictors import keep_count
-    from fast.integrations.model import ModelMissing, load_smollm2
-    from fast.policies.page import calibrate_model
+    from fast.policies.page import calibrate, prompt_drop
+    budget = parse_budget(args.budget)
     try:
-        budget = float(args.budget) if "." in args.budget else int(args.budget)
-        keep_count(budget, 10 ** 9)
-        if not 0 < args.evict_rate < 1:
-            raise ValueError(f"--evict-rate must lie in (0, 1), got {args.evict_rate}")
+        calibrate([0.0], args.evict_rate)  # the core's check of evict_rate, before anything loads
+    except ValueError as e:
+        raise UsageError(f"--evict-rate: {e}") from None
+    limit = SMOLLM2.max_position_embeddings
+    if not 1 <= args.n <= MAX_PROMPTS:
+        raise UsageError(f"--n must lie in [1, {MAX_PROMPTS}], got {args.n}")
+    if not 1 <= args.tokens <= limit:
+        raise UsageError(f"--tokens must lie in [64, {limit}] (the model's context), got {args.tokens}")
+    text = read_prompt(args.prompts, "--prompts file") if args.prompts is not None else None
+    check_out_file(args.out)
+    from tqdm import tqdm
+    from fast.integrations.model import ModelMissing, load_smollm2
+    try:
         model, tok = load_smollm2()
-        prompts = _prompts(args, tok)
-        tau, drops = calibrate_model(model, prompts, budget, evict_rate=args.evict_rate)
-    except (ValueError, ModelMissing, OSError) as e:
-        print(f"kvcert calibrate-page: error: {e}", file=sys.stderr)
-        return 2
-    Path(args.out).write_text(json.dumps({
+        prompts = _prompts(args, tok, text)
+        long = [p.shape[1] for p in prompts if p.shape[1] > model.config.max_position_embeddings]
+        if long:
+            raise UsageError(f"--prompts: a prompt of {long[0]} tokens exceeds the model's context "
+                             f"of {model.config.max_position_embeddings}")
+        drops = [float(prompt_drop(model, p, budget)[0]) for p in tqdm(prompts, desc="calibrate-page", unit="prompt")]
+        tau = calibrate(drops, args.evict_rate)
+    except (ValueError, ModelMissing) as e:
+        raise UsageError(str(e)) from None
+    write_file_atomic(args.out, json.dumps({
         "tau": tau, "budget": budget, "evict_rate": args.evict_rate, "model": "SmolLM2-135M-Instruct",
         "n_prompts": len(prompts), "drops": [d if math.isfinite(d) else None for d in drops],
-        "command": "kvcert calibrate-page " + " ".join(argv if argv is not None else sys.argv[1:])}, indent=1))
+        "command": "kvcert calibrate-page " + " ".join(argv)}, indent=1))
     print(f"tau = {tau:.4f} from {len(prompts)} prompts (budget {budget}, evict rate {args.evict_rate}) -> {args.out}")
     return 0
 

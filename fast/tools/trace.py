@@ -18,6 +18,10 @@ eviction and the group witness bytes.
 """
 
 import json
+import math
+import numbers
+import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +30,13 @@ import numpy as np
 COVER = 0.2  # coverage: share of checks with bound <= COVER
 KEYS = ("min", "tanh", "one_minus_b_over_a", "e_form", "max_c", "pre_min", "dither_min", "true_tv", "repaired")
 EVICT_KEYS = {"bound": "evict_bound", "log_odds": "evict_log_odds", "true": "evict_true"}
+STEP_KEYS = tuple(k for k in KEYS if k != "repaired") + tuple(EVICT_KEYS.values()) + ("composed",)  # [T, L, B, H]
+TV_KEYS = ("min", "pre_min", "dither_min", "true_tv", "evict_bound", "evict_true", "composed")  # bounds / distances >= 0
+
+
+class TraceError(ValueError):
+    """A trace directory whose files kvcert did not write as they are (corrupt, truncated, wrong
+    types or shapes): one line naming the file and what is wrong."""
 
 
 @dataclass
@@ -213,14 +224,113 @@ def _json_default(o):
 
 
 def load(path):
+    """Read and check a trace directory. FileNotFoundError when trace.npz or trace.json is missing;
+    TraceError when either is corrupt or malformed (after load, summary and format_summary work)."""
     path = Path(path)
-    if not (path / "trace.npz").is_file() or not (path / "trace.json").is_file():
+    npz, js = path / "trace.npz", path / "trace.json"
+    try:
+        present = npz.is_file() and js.is_file()
+    except (OSError, ValueError) as e:
+        raise TraceError(f"{path}: cannot read ({e})") from None
+    if not present:
         raise FileNotFoundError(f"{path}: no trace here (expected trace.npz and trace.json)")
-    with np.load(path / "trace.npz") as z:
-        arrays = {k: z[k] for k in z.files}
-    meta = json.loads((path / "trace.json").read_text())
+    try:
+        z = np.load(npz, allow_pickle=False)
+        if not isinstance(z, np.lib.npyio.NpzFile):
+            raise ValueError("a single .npy array, not an npz archive")
+        with z:
+            arrays = {k: np.asarray(z[k]) for k in z.files}
+    except Exception as e:  # noqa: BLE001 - np.load raises many types on corrupt input (BadZipFile, zlib.error, EOFError...)
+        raise TraceError(f"{npz}: not a readable npz archive ({type(e).__name__}: {e})") from None
+    try:
+        meta = json.loads(js.read_bytes())
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON or bad UTF-8
+        raise TraceError(f"{js}: not readable JSON ({type(e).__name__}: {e})") from None
+    tr = Trace(arrays, meta)
+    check(tr, path)
     meta.pop("summary", None)
-    return Trace(arrays, meta)
+    return tr
+
+
+def _real(x, lo=0.0):
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and x >= lo
+
+
+def check(tr, where="trace"):
+    """TraceError unless tr has the arrays and metadata that from_cache / add_eviction write:
+    float [T, L, B, H] step arrays of one shape (bounds and distances >= 0, no NaN), a bool
+    repaired [T, L, Hkv], a JSON object of metadata with numbers where numbers are read."""
+    a, m = tr.arrays, tr.meta
+
+    def bad(msg):
+        raise TraceError(f"{where}: {msg}")
+
+    shape = None
+    for k in STEP_KEYS:
+        if k not in a:
+            continue
+        x = a[k]
+        if x.dtype.kind != "f" or x.ndim != 4:
+            bad(f"trace.npz: {k} must be a float array [steps, layers, rows, heads], got {x.dtype} {x.shape}")
+        if shape is not None and x.shape != shape:
+            bad(f"trace.npz: {k} has shape {x.shape}, the other step arrays {shape}")
+        shape = x.shape
+        if k in TV_KEYS and not bool((x >= 0).all()):  # NaN fails too
+            bad(f"trace.npz: {k} holds NaN or negative entries")
+    if "repaired" in a:
+        x = a["repaired"]
+        if x.dtype != np.bool_ or x.ndim != 3 or (shape is not None and x.shape[:2] != shape[:2]):
+            bad(f"trace.npz: repaired must be a bool array [steps, layers, KV heads] matching the steps, "
+                f"got {x.dtype} {x.shape}")
+    if not isinstance(m, dict):
+        bad(f"trace.json: expected a JSON object, got {type(m).__name__}")
+    for k in ("scheme", "gate", "answer"):
+        if m.get(k) is not None and not isinstance(m[k], str):
+            bad(f"trace.json: {k} must be a string")
+    if "fresh_repairs" in m and not (isinstance(m["fresh_repairs"], int) and _real(m["fresh_repairs"])):
+        bad("trace.json: fresh_repairs must be a count")
+    mem = m.get("memory")
+    if mem is not None:
+        if not isinstance(mem, dict) or not all(_real(v) for v in mem.values()):
+            bad("trace.json: memory must map names to finite byte counts >= 0")
+        if "device_bytes_per_token" in mem and not mem.get("fp16_bytes_per_token"):
+            bad("trace.json: memory has device_bytes_per_token but no fp16_bytes_per_token > 0")
+    e = m.get("eviction")
+    if e is not None:
+        if not isinstance(e, dict):
+            bad("trace.json: eviction must be a JSON object")
+        for k in ("bytes_before", "bytes_after", "witness_bytes"):
+            if k in e and not _real(e[k]):
+                bad(f"trace.json: eviction.{k} must be a byte count")
+        if ("bytes_before" in e) != ("bytes_after" in e):
+            bad("trace.json: eviction needs both bytes_before and bytes_after")
+        if "page_drop" in e and not (isinstance(e["page_drop"], list) and
+                                     all(isinstance(d, numbers.Real) and not isinstance(d, bool) for d in e["page_drop"])):
+            bad("trace.json: eviction.page_drop must be a list of numbers")
+        for k in ("spec", "note", "page_decision"):
+            if e.get(k) is not None and not isinstance(e[k], str):
+                bad(f"trace.json: eviction.{k} must be a string")
+    try:  # what report does with it: must work on everything check accepts
+        format_summary(summary(Trace(a, {k: v for k, v in m.items() if k != "summary"})))
+    except (TypeError, ValueError, KeyError, ZeroDivisionError, AttributeError, IndexError, OverflowError) as err:
+        bad(f"malformed trace ({type(err).__name__}: {err})")
+    return tr
+
+
+def _savefig(fig, path):
+    """fig as PNG at path, written to a temp file renamed into place (never a half-written image); closes fig."""
+    import matplotlib.pyplot as plt
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        try:
+            fig.savefig(tmp, dpi=100, format="png")
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    finally:
+        plt.close(fig)
 
 
 def plots(tr, out):
@@ -242,8 +352,7 @@ def plots(tr, out):
     ax.set_title(f"TV bound, worst head per (layer, step): {title}")
     fig.colorbar(im, ax=ax, label="certified TV bound")
     fig.tight_layout()
-    fig.savefig(out / "bound_heatmap.png", dpi=100)
-    plt.close(fig)
+    _savefig(fig, out / "bound_heatmap.png")
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.5), sharey=True)
     for ax, data, name in ((axes[0], b.mean(axis=(0, 2)), "mean over steps"), (axes[1], b.max(axis=(0, 2)), "worst over steps")):
@@ -253,8 +362,7 @@ def plots(tr, out):
     axes[0].set_ylabel("layer")
     fig.colorbar(im, ax=axes, label="certified TV bound")
     fig.suptitle(f"per-head profile: {title}")
-    fig.savefig(out / "head_profile.png", dpi=100)
-    plt.close(fig)
+    _savefig(fig, out / "head_profile.png")
     files = [out / "bound_heatmap.png", out / "head_profile.png"]
     if "evict_bound" in tr.arrays and tr.arrays["evict_bound"].size:
         files.append(_eviction_plot(tr, out, plt))
@@ -274,6 +382,5 @@ def _eviction_plot(tr, out, plt):
     axes[0][0].set_ylabel("layer")
     fig.colorbar(im, ax=axes[0].tolist(), label="certified TV bound")
     fig.suptitle(f"eviction {(tr.meta.get('eviction') or {}).get('spec')}, scheme {tr.meta.get('scheme')}: worst head")
-    fig.savefig(out / "eviction_heatmap.png", dpi=100)
-    plt.close(fig)
+    _savefig(fig, out / "eviction_heatmap.png")
     return out / "eviction_heatmap.png"
