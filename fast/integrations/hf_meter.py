@@ -1,19 +1,27 @@
 """The meter: an attention function ("kvcert") that serves attention from a CertifiedCache and
-certifies every decode read in the same pass (fast.decode_attention).
+certifies every read of a quantized key in the same pass (fast.core.attention).
 
     fast.integrations.hf_meter.enable(model)               # model.set_attn_implementation("kvcert")
     model.generate(ids, past_key_values=CertifiedCache(model.config, "int8"))
 
 Any call that does not come from a CertifiedCache layer (a plain DynamicCache, no cache) is
-plain sdpa. Prefill reads exact keys (sdpa); each decode step, per (layer, query head):
-the deterministic certificate (all forms, math.md T2 + T4), the dither tier (T6) for
-int8_dither, the gate, and in shadow mode the true TV, appended to cache.records.
+plain sdpa. Which reads are certified:
+- the first prefill of an empty cache reads the fresh exact keys (sdpa over key_states, as every
+  quantized cache does): it reads no quantized key, so it needs no certificate (TV = 0);
+- a decode step (one query row) reads the cache: decode_attention, one record in cache.records;
+- every other multi-row query over a non-empty cache (a second turn or a second `generate` on
+  the same cache, chunked prefill, speculative verification) reads the quantized keys:
+  attention_rows with causal positions, one certificate per (row, query head), one record per
+  (call, layer) in cache.row_records with "pos" [T] (the rows' positions) and [B, T, H] tensors.
+Per read, per (layer, query head): the deterministic certificate (all forms, math.md T2 + T4),
+the dither tier (T6) for int8_dither, the gate, with value_bound=True the output bound out_err
+(T5), and in shadow mode the true TV (and true_out_err = ||o - out|| from the exact keys and values).
 """
 
 import torch
 from transformers import AttentionInterface
 
-from fast.core.attention import decode_attention
+from fast.core.attention import attention_rows, decode_attention
 from fast.core.dither import budget_local, dither_forms
 from fast.core.quant import max_abs
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -42,22 +50,26 @@ def _valid_row(mask, n):
     return row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2
 
 
-def _attend(q, k, v, rho, scale, bands, valid, exact):
-    """decode_attention, looping over KV heads only when eviction left per-head padding."""
-    same = bool((valid == valid[:, :1]).all())
-    if same:
-        return decode_attention(q, k, v, rho, scale, bands=bands, valid=valid[:, 0], exact=exact)
+def _attend(q, k, v, rho, scale, bands, valid, exact, v_err=None, q_pos=None):
+    """decode_attention (q [B, H, D]) or, with q_pos [B, T], attention_rows (q [B, T, H, D]),
+    looping over KV heads only when eviction left per-head padding (valid [B, Hkv, N])."""
+    def one(qh, kh, vh, rh, vh_valid, eh, ve):
+        if q_pos is None:
+            return decode_attention(qh, kh, vh, rh, scale, bands=bands, valid=vh_valid, exact=eh, v_err=ve)
+        return attention_rows(qh, kh, vh, rh, scale, bands=bands, q_pos=q_pos, valid=vh_valid, exact=eh, v_err=ve)
+    if bool((valid == valid[:, :1]).all()):
+        return one(q, k, v, rho, valid[:, 0], exact, v_err)
     Hkv = k.shape[1]
-    G = q.shape[1] // Hkv
+    G = q.shape[-2] // Hkv
     outs, certs = [], []
     for h in range(Hkv):
         sl = slice(h, h + 1)
-        o, c = decode_attention(q[:, h * G:(h + 1) * G], k[:, sl], v[:, sl], rho[:, sl], scale,
-                                bands=bands, valid=valid[:, h], exact=exact[:, sl])
+        o, c = one(q[..., h * G:(h + 1) * G, :], k[:, sl], v[:, sl], rho[:, sl], valid[:, h], exact[:, sl],
+                   None if v_err is None else v_err[:, sl])
         outs.append(o)
         certs.append(c)
-    cert = {key: torch.cat([c[key] for c in certs], dim=1) for key in certs[0] if certs[0][key].dim() == 2}
-    return torch.cat(outs, dim=1), cert
+    cert = {key: torch.cat([c[key] for c in certs], dim=-1) for key in certs[0]}
+    return torch.cat(outs, dim=-2), cert
 
 
 def served_probs(q, k, scale, valid):
@@ -69,9 +81,15 @@ def served_probs(q, k, scale, valid):
     return torch.softmax(x, dim=-1).reshape(B, H, -1)
 
 
-def _certify(layer, q, k, v, scale, valid):
+def _certify(layer, q, k, v, scale, valid, q_pos=None):
     rho, exact = layer.witness_codes()
-    return _attend(q, k, v, rho, scale, layer.cache.bands, valid, exact)
+    return _attend(q, k, v, rho, scale, layer.cache.bands, valid, exact, layer.value_err_view(), q_pos)
+
+
+def exact_output(p, v, Hkv):
+    """o [B, H', D] fp64 = sum_j p_j v_j for p [B, H', N] (GQA: H' = Hkv G')."""
+    B, H, N = p.shape
+    return torch.matmul(p.view(B, Hkv, H // Hkv, N), v.double()).view(B, H, -1)
 
 
 def _slot(bound, Hkv):
@@ -118,6 +136,8 @@ def decode_step(layer, query, key, value, scale, mask=None):
     rec = {"step": t, "layer": layer.layer_idx, "pre_min": pre, "repaired": layer.repaired.clone(),
            "fresh_repairs": len(fresh), "max_c": cert["max_c"].float()}
     rec.update({f: cert[f].float() for f in FORMS})
+    if "out_err" in cert:
+        rec["out_err"] = cert["out_err"]
     if cache.scheme.dither or cache.shadow:
         p_tilde = served_probs(q, key, scale, layer.valid)
     if cache.scheme.dither:
@@ -127,8 +147,80 @@ def decode_step(layer, query, key, value, scale, mask=None):
     if cache.shadow:
         p = served_probs(q, layer.exact_k, scale, layer.valid)
         rec["true_tv"] = (0.5 * (p - p_tilde).abs().sum(-1)).float()
+        if "out_err" in cert:
+            rec["true_out_err"] = (exact_output(p, layer.exact_v, Hkv) - out.double()).norm(dim=-1).float()
     cache.records.append(rec)
     return out[:, None].to(query.dtype), None  # [B, 1, H, D], as sdpa returns it
+
+
+def row_probs(q, k, scale, mask):
+    """p [B, H T, N] fp64: softmax of s <q, k_j> per row over its visible tokens (q [B, H T, D] with
+    rows flattened as attention_rows does, h T + t; mask [B, Hkv, G T, N])."""
+    B, H, D = q.shape
+    Hkv = k.shape[1]
+    x = torch.matmul(q.double().view(B, Hkv, H // Hkv, D), k.double().transpose(-1, -2)) * scale
+    return torch.softmax(x.masked_fill(~mask, float("-inf")), dim=-1).reshape(B, H, -1)
+
+
+def rows_step(layer, query, key, value, scale, mask=None):
+    """T query rows over a cache that already holds quantized (or about-to-be-read) tokens: the
+    newest T cached tokens are these rows' own keys, at storage slots N - T .. N - 1 (after
+    eviction, storage order still puts every older token first), so row t reads every valid slot
+    j <= N - T + t. One certificate per (row, query head) from attention_rows."""
+    cache = layer.cache
+    B, H, T, D = query.shape
+    N, Hkv = layer.n, layer.Hkv
+    row = _valid_row(mask, N) if mask is not None and mask.shape[-1] == N and not cache.evicted else None
+    if row is not None:  # padding seen by transformers' mask
+        layer.valid &= row[:, None, :]
+    q = query.transpose(1, 2).float()  # q: [B, T, H, D] post-RoPE
+    q_pos = torch.arange(N - T, N, device=q.device).expand(B, T)
+    if not cache.certify:
+        vis = (torch.arange(N, device=q.device)[None, :] <= q_pos[0][:, None])  # [T, N]
+        if not bool((layer.valid == layer.valid[:, :1]).all()):
+            raise ValueError("certify=False needs the same valid tokens in every KV head")
+        m = vis[None, None, None] & layer.valid[:, 0, None, None, None, :]  # [B, 1, 1, T, N]
+        x = torch.matmul(q.transpose(1, 2).reshape(B, Hkv, H // Hkv, T, D), key.float().transpose(-1, -2)[:, :, None]) * scale
+        out = torch.matmul(torch.softmax(x.masked_fill(~m, float("-inf")), -1), value.float()[:, :, None])
+        return out.reshape(B, H, T, D).transpose(1, 2).to(query.dtype), None
+    out, cert = _certify(layer, q, key.float(), value.float(), scale, layer.valid, q_pos)
+    t0 = layer.steps
+    layer.steps += T  # each row is one read (the dither budget counts reads)
+    pre = cert["min"].clone()
+    fresh = []
+    if cache.gate.kind == "certified":
+        over = (_slot(pre.amax(1), Hkv) > cache.gate.tau) & ~layer.repaired
+        fresh = over.nonzero().flatten().tolist()
+        if fresh:  # serve these reads (and every later one) of those KV heads from the offload tier
+            layer.repair(fresh)
+            key, value = layer.served_k, layer.served_v
+            out, cert = _certify(layer, q, key.float(), value.float(), scale, layer.valid, q_pos)
+    rec = {"call": len(cache.row_records), "layer": layer.layer_idx, "pos": q_pos[0].clone(),
+           "steps": (t0 + 1, t0 + T), "pre_min": pre, "repaired": layer.repaired.clone(),
+           "fresh_repairs": len(fresh), "max_c": cert["max_c"].float()}
+    rec.update({f: cert[f].float() for f in FORMS})
+    if "out_err" in cert:
+        rec["out_err"] = cert["out_err"]
+    if cache.scheme.dither or cache.shadow:
+        G = H // Hkv
+        vis = torch.arange(N, device=q.device)[None, :] <= q_pos[0][:, None]  # [T, N]
+        m = (vis[None, None, None] & layer.valid[:, :, None, None, :]).expand(B, Hkv, G, T, N).reshape(B, Hkv, G * T, N)
+        qf = q.permute(0, 2, 1, 3).reshape(B, H * T, D)  # row (h, t) -> h T + t, as attention_rows
+        p_tilde = row_probs(qf, key, scale, m)
+        unflat = lambda x: x.view(B, H, T).transpose(1, 2)  # [B, H T] -> [B, T, H]
+    if cache.scheme.dither:
+        # the smallest local budget of the T reads (t0 + T) for every row: each row spends at most its own
+        d = budget_local(cache.delta_req, cache.num_layers, cache.num_heads, t0 + T)
+        rec["dither_min"] = unflat(dither_forms(qf, p_tilde, layer.step_view(), max_abs(key), scale, N, d)["min"])
+    if cache.shadow:
+        p = row_probs(qf, layer.exact_k, scale, m)
+        rec["true_tv"] = unflat((0.5 * (p - p_tilde).abs().sum(-1)).float())
+        if "out_err" in cert:
+            o = exact_output(p, layer.exact_v, Hkv)
+            served = out.permute(0, 2, 1, 3).reshape(B, H * T, D).double()
+            rec["true_out_err"] = unflat((o - served).norm(dim=-1).float())
+    cache.row_records.append(rec)
+    return out.to(query.dtype), None  # [B, T, H, D], as sdpa returns it
 
 
 def prefill_step(layer, module, query, key, value, mask, scale, **kwargs):
@@ -151,9 +243,13 @@ def kvcert_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     hook = layer.cache.on_layer
-    if query.shape[2] > 1:
+    if query.shape[2] > 1 and layer.n == query.shape[2]:
+        # the first prefill of an empty cache reads the fresh exact keys: no quantized key, no certificate
         out = prefill_step(layer, module, query, key, value, attention_mask, scale, dropout=dropout, **kwargs)
         phase = "prefill"
+    elif query.shape[2] > 1:
+        out = rows_step(layer, query, key, value, scale, attention_mask)
+        phase = "rows"
     else:
         out = decode_step(layer, query, key, value, scale, attention_mask)
         phase = "decode"
