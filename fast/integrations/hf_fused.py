@@ -1,0 +1,198 @@
+"""CertifiedCache reads through the fused CPU kernel (fast.core.cpu_fused): no fp32 copy of the
+history per step, the certificate epilogue of all layers batched once per step.
+
+    cache = FusedCertifiedCache(model.config, "int8")        # a CertifiedCache
+    enable(model)                                             # attn_implementation "kvcert_fused"
+    model.generate(ids, past_key_values=cache)
+
+What changes against CertifiedCache + the "kvcert" meter (fast.integrations.hf_meter):
+- update() does not rebuild the served fp32 [B, Hkv, N, D] tensors (CertifiedLayer.served): the
+  attention reads the layer's parts in place: int8 codes + fp16 scales + uint8 witness codes of
+  the quantized part (segment 0), and the exact overlay (sinks) + exact tail (segment 1, fp32).
+- Every query row with a cache behind it goes through the kernel: decode (T = 1) and multi-token
+  reads (a second turn, chunked prefill: row t at storage position n - T + t, causal).
+- The certificate epilogue (fast.core.cpu_fused._certificate, numpy) runs once per step for all
+  layers, after the last one: cache.records gets one record per (step, layer) as with the meter.
+Falls back to the meter (hf_meter.kvcert_attention, the served fp32 copy) where the kernel does
+not apply: schemes other than int8, gates, shadow mode, int8_dither, repaired heads, non-fp32
+models. The first prefill reads the exact states with sdpa, as everywhere.
+This module is the integration proposal for hf_cache / hf_meter (see /work/notes/requests.md).
+"""
+
+import numpy as np
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from fast.core import cpu_fused
+from fast.core.attention import attention_rows as twin_rows
+from fast.core.certify import FORMS
+from fast.integrations import hf_meter
+from fast.integrations.hf_cache import CertifiedCache, CertifiedLayer
+
+NAME = "kvcert_fused"
+
+
+def enable(model):
+    model.set_attn_implementation(NAME)
+    return model
+
+
+class FusedLayer(CertifiedLayer):
+    def fused_ok(self):
+        c = self.cache
+        return (c.scheme.name == "int8" and c.gate.kind == "none" and not c.shadow and self.dtype == torch.float32
+                and self.device.type == "cpu" and not bool(self.repaired.any()) and cpu_fused.available())
+
+    def served(self, scratch=False):
+        if scratch and self.fused_ok():  # the kernel reads the parts: no [B, Hkv, N, D] fp32 copy
+            return self.k_tail, self.v_tail
+        return super().served(scratch)
+
+    def segments(self):
+        """The two kernel segments of this layer (fast.core.cpu_fused.seg)."""
+        B, Hkv, nq, D = self.B, self.Hkv, self.nq, self.D
+        u8 = torch.uint8
+        va = self.valid.view(u8)  # [B, Hkv, N], bool as bytes (no copy)
+        E = self.ex_idx.shape[2]
+        on = self.ex_on
+        if E:
+            in_q = self.ex_idx < nq  # overlay tokens still in the tail are read from the tail
+            on = on & in_q & self.valid.gather(2, self.ex_idx)
+        if nq:
+            kq, vq = self.kq.qt, self.vq.qt
+            vq0 = va[:, :, :nq]
+            if E:  # overlay tokens: their exact rows (segment 1) replace the codes
+                drop = torch.zeros(B, Hkv, nq + 1, dtype=u8)
+                drop.scatter_(2, torch.where(on & in_q, self.ex_idx, nq), 1)
+                vq0 = vq0 & (1 - drop[:, :, :nq])
+            rho = self.rho_codes
+            if self.derived:
+                from fast.core.witness import witness_from_step
+                rho = witness_from_step(kq.step(), self.cache.bands)
+            s0 = cpu_fused.seg(Hkv, nq, k=kq.codes, v=vq.codes, k_scales=kq.scales.view(torch.int16),
+                               v_scales=vq.scales.view(torch.int16), rho=rho if self.cache.certify else None, valid=vq0)
+            ng = (kq.scales.shape[-1], vq.scales.shape[-1])
+        else:
+            s0, ng = cpu_fused.seg(Hkv, 0), (1, 1)
+        R = self.k_tail.shape[2]
+        tail_pos = torch.arange(nq, nq + R, dtype=torch.int32).view(1, 1, R).expand(B, Hkv, R)
+        if E:
+            k1 = torch.cat([self.ex_k, self.k_tail], 2)
+            v1 = torch.cat([self.ex_v, self.v_tail], 2)
+            pos = torch.cat([self.ex_idx.to(torch.int32), tail_pos], 2)
+            val = torch.cat([on.view(u8), va[:, :, nq:]], 2)
+        else:
+            k1, v1, pos, val = self.k_tail, self.v_tail, tail_pos.contiguous(), va[:, :, nq:]
+        s1 = cpu_fused.seg(Hkv, k1.shape[2], k=k1, v=v1, valid=val.contiguous(), pos=pos.contiguous())
+        return [s0, s1], ng
+
+
+class FusedCertifiedCache(CertifiedCache):
+    """CertifiedCache whose reads go through fast.core.cpu_fused (same arguments)."""
+
+    def __init__(self, config, scheme="int8", **kwargs):
+        super().__init__(config, scheme, **kwargs)
+        self.layers = [FusedLayer(self, i) for i in range(self.num_layers)]
+        self._pending = []  # per step: (layer, T, q64, stats, kmax, N) awaiting the batched epilogue
+        self.fused_reads = 0
+
+
+def fused_read(layer, query, scale):
+    """query [B, H, T, D] (post-RoPE) over the layer's cache; returns [B, T, H, D] in query's dtype."""
+    cache = layer.cache
+    B, H, T, D = query.shape
+    q = query.transpose(1, 2).to(torch.float32).contiguous()  # [B, T, H, D]
+    if not bool(torch.isfinite(q).all()):
+        raise ValueError("q: NaN/Inf")
+    n = layer.n
+    qpos = torch.arange(n - T, n, dtype=torch.int32).view(1, T).expand(B, T).contiguous()
+    segs, (ngk, ngv) = layer.segments()
+    bands = cache.bands
+    lut = _lut() if layer.rho_codes is not None and not layer.derived else None
+    out, stats, kmax, q64 = cpu_fused._run(q, qpos, segs, float(scale), bands, bands.shape[0], ngk, ngv,
+                                           cache.certify, lut)
+    cache.fused_reads += 1
+    if cache.certify:
+        cache._pending.append((layer, q64, stats, kmax, n))
+        if layer.layer_idx == cache.num_layers - 1:
+            flush_certificates(cache)
+    return out.to(query.dtype)
+
+
+_LUT = []
+
+
+def _lut():
+    if not _LUT:
+        from fast.core.witness import _log_table
+        _LUT.append(_log_table("cpu").to(torch.float32).contiguous())
+    return _LUT[0]
+
+
+def flush_certificates(cache):
+    """The certificate epilogue of every pending read in one batch (same N and shapes: one step)."""
+    pend, cache._pending = cache._pending, []
+    if not pend:
+        return
+    groups = {}
+    for item in pend:
+        groups.setdefault((item[4], item[1].shape), []).append(item)
+    D = cache.head_dim
+    NB = cache.bands.shape[0]
+    for (N, shape), items in groups.items():
+        B, T, H, _ = shape
+        q64 = np.concatenate([it[1] for it in items])
+        stats = torch.cat([it[2] for it in items])
+        kmax = torch.cat([it[3] for it in items])
+        cert = cpu_fused._certificate(q64, stats, kmax, float(_scale(cache)), NB, N, D, kmax.shape[1])
+        for i, (layer, *_rest) in enumerate(items):
+            if cert is None:  # a row with a large witness: the twin, on the served copy of this layer
+                c = _twin_cert(layer, _rest[0], N)
+            else:
+                c = {k: v[i * B:(i + 1) * B] for k, v in cert.items()}
+            _record(layer, c, T)
+
+
+def _scale(cache):
+    return cache.scale if getattr(cache, "scale", None) is not None else cache.head_dim ** -0.5
+
+
+def _twin_cert(layer, q64, N):
+    k, v = CertifiedLayer.served(layer)
+    rho, exact = layer.witness_codes()
+    q = torch.from_numpy(q64).to(torch.float32)
+    B, T = q.shape[:2]
+    qpos = torch.arange(N - T, N).view(1, T).expand(B, T)
+    valid = layer.valid.all(1)
+    _, c = twin_rows(q, k, v, rho, _scale(layer.cache), bands=layer.cache.bands, q_pos=qpos, valid=valid,
+                     exact=exact, backend="torch")
+    return c
+
+
+def _record(layer, cert, T):
+    layer.steps += 1
+    rec = {"step": layer.steps, "layer": layer.layer_idx, "rows": T, "pre_min": cert["min"][:, -1],
+           "repaired": layer.repaired.clone(), "fresh_repairs": 0, "max_c": cert["max_c"][:, -1].float()}
+    rec.update({f: cert[f][:, -1].float() for f in FORMS})  # [B, H] of the last row, as the meter records
+    if T > 1:
+        rec["rows_min"] = cert["min"]  # [B, T, H]
+    layer.cache.records.append(rec)
+
+
+def fused_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """AttentionInterface function: the fused read where it applies, else the kvcert meter."""
+    layer = hf_meter._CURRENT[0]
+    if (isinstance(layer, FusedLayer) and key is layer.served_k and layer.layer_idx == getattr(module, "layer_idx", None)
+            and layer.nq + layer.k_tail.shape[2] > query.shape[2] and layer.fused_ok()):
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        layer.cache.scale = scale
+        out = fused_read(layer, query, scale)
+        if layer.cache.on_layer is not None:
+            layer.cache.on_layer("decode" if query.shape[2] == 1 else "rows", layer.layer_idx)
+        return out, None
+    return hf_meter.kvcert_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+AttentionInterface.register(NAME, fused_attention)
+AttentionMaskInterface.register(NAME, sdpa_mask)
