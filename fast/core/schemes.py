@@ -7,7 +7,7 @@ A scheme turns a block of keys or values x: [B, Hkv, n, D] into a `Stored` paylo
 bytes: .nbytes) that decodes back to x_hat. The certificate never trusts the scheme: the
 cache measures k - k_hat at write time (band witness, math.md T4), so a registered function
 is a black box. Built-ins: the fast-path codecs (int8, int8_dither, int4, fp8_e4m3,
-fp8_e5m2) and KIVI-style 2-bit (keys per channel over blocks of 32 tokens, values per token
+fp8_e5m2, and vLLM's round-toward-zero fp8 casts fp8_e4m3_rtz / fp8_e5m2_rtz, scale 1) and KIVI-style 2-bit (keys per channel over blocks of 32 tokens, values per token
 in groups of 32 channels).
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-CODECS = ("int8", "int8_dither", "int4", "fp8_e4m3", "fp8_e5m2")
+CODECS = ("int8", "int8_dither", "int4", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3_rtz", "fp8_e5m2_rtz")
 UNIFORM = ("int8", "int8_dither", "int4")  # |x - x_hat| <= step/2 elementwise: zero-memory witness
 KIVI_GROUP = 32
 
