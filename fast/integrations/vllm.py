@@ -1,0 +1,533 @@
+"""kvcert inside vLLM (CPU backend): a certificate for every read of the quantized KV cache.
+
+One switch: the entry point `vllm.general_plugins: kvcert` (pyproject.toml) runs register() in
+the engine and in every worker; it does nothing unless KVCERT_VLLM=1. Then the CPU attention
+backend is replaced by KVCertBackend, whose impl
+- do_kv_cache_update: casts keys and values with the configured codec (KVCERT_CODEC, vLLM's own
+  fp8 truncating cast, fast.integrations.vllm_fp8), lets vLLM write them into its paged cache,
+  READS BACK the stored keys and computes the band witness (math.md T4) of the exact key against
+  exactly what is stored, per cache slot: rho [num_blocks, Hkv, block_size, NB], a side tensor
+  mirroring the paged cache, rewritten whenever the slot is (block reuse, prefix caching,
+  preemption and recompute stay right);
+- forward: runs vLLM's kernel, then certifies every query row of every request that reads the
+  cache (decode, prefill, chunked prefill, mixed batches) with fast.core.attention.attention_rows
+  (the function the transformers path uses), over the keys and values read from the cache;
+- gate certified:TAU: once a (request, layer, KV head) certificate exceeds TAU, that head's
+  output for the request is served from an exact side store from then on (its bytes counted);
+- shadow (KVCERT_SHADOW=1): the true TV of each row from the exact side store (tests, benchmarks).
+
+What the certificate bounds: TV(softmax(s<q, k_j>), softmax(s<q, k~_j>)) for every row and query
+head, k exact (as computed by the model), k~ as stored; vLLM's own kernel arithmetic is trusted
+(as the model's arithmetic is, math.md "What is trusted").
+
+Configuration (environment, read in every process; workers inherit it):
+  KVCERT_VLLM=1            enable the plugin
+  KVCERT_CODEC             fp8_e4m3 (default) | fp8_e5m2 | none (an exact fp32 cache)
+  KVCERT_GATE              none (default) | certified:TAU
+  KVCERT_SHADOW=1          also the true TV per (row, head) (needs the exact side store)
+  KVCERT_CERTIFY=0         the codec without certificates (the speed baseline)
+  KVCERT_TRACE_DIR=DIR     full traces: one JSONL per worker rank
+  KVCERT_BANDS=8           bands per head (math.md Bands; rotate_half pairs)
+Engine requirements (checked at start-up, one clear line): dtype float32, kv_cache_dtype "auto",
+head size a multiple of 2 * KVCERT_BANDS, the CPU backend, decoder self-attention.
+
+    from fast.integrations.vllm import make_llm, summaries
+    llm = make_llm(model_dir, codec="fp8_e4m3", gate="certified:0.2", enforce_eager=True)
+    outs = llm.generate(prompts, params)
+    per_request = summaries(llm)          # {request_id: {...}} via collective_rpc
+
+Demo: python -m fast.integrations.vllm --help
+"""
+
+import json
+import math
+import os
+import re
+import sys
+from collections import defaultdict
+
+import torch
+
+from fast.core.attention import attention_rows
+from fast.core.rope import rope_bands
+from fast.core.witness import witness
+from fast.integrations import vllm_fp8
+from fast.policies.gate import parse_gate
+
+ENV = "KVCERT_VLLM"
+CODECS = vllm_fp8.CODECS + ("none",)
+EXTENSION = "fast.integrations.vllm.KVCertWorker"
+
+
+class Config:
+    """The plugin's settings, parsed once per process from the environment (ValueError: one line)."""
+
+    def __init__(self, env=None):
+        env = os.environ if env is None else env
+        self.enabled = env.get(ENV, "0") == "1"
+        self.codec = env.get("KVCERT_CODEC", "fp8_e4m3")
+        if self.codec not in CODECS:
+            raise ValueError(f"kvcert: KVCERT_CODEC={self.codec!r}: expected one of {CODECS}")
+        self.gate = parse_gate(env.get("KVCERT_GATE", "none"))
+        if self.gate.kind == "risk":
+            raise ValueError("kvcert: KVCERT_GATE risk:K is not supported in vLLM (use none or certified:TAU)")
+        self.shadow = env.get("KVCERT_SHADOW", "0") == "1"
+        self.certify = env.get("KVCERT_CERTIFY", "1") == "1"
+        self.trace_dir = env.get("KVCERT_TRACE_DIR") or None
+        nb = env.get("KVCERT_BANDS", "8")
+        if not nb.isdigit() or int(nb) < 1:
+            raise ValueError(f"kvcert: KVCERT_BANDS={nb!r}: expected a positive integer")
+        self.bands = int(nb)
+        if (self.gate.kind == "certified" or self.shadow) and not self.certify:
+            raise ValueError("kvcert: the gate and shadow mode need certificates (KVCERT_CERTIFY=1)")
+
+    @property
+    def exact_store(self):
+        return self.gate.kind == "certified" or self.shadow
+
+
+def check_engine(cfg, *, dtype, kv_cache_dtype, head_size, attn_type="decoder"):
+    """Start-up checks shared by make_llm (main process) and the backend impl (workers)."""
+    if str(dtype) not in ("torch.float32", "float32"):
+        raise ValueError(f"kvcert: model dtype {dtype} is not supported (use dtype='float32': the CPU backend's "
+                         "bf16/fp16 layouts are not read back)")
+    if kv_cache_dtype != "auto":
+        raise ValueError(f"kvcert: kv_cache_dtype={kv_cache_dtype!r} is not supported: use kv_cache_dtype='auto' and "
+                         "KVCERT_CODEC=fp8_e4m3|fp8_e5m2 (the plugin applies vLLM's fp8 cast itself)")
+    if head_size % (2 * cfg.bands):
+        raise ValueError(f"kvcert: head size {head_size} is not a multiple of 2 * KVCERT_BANDS = {2 * cfg.bands}")
+    if str(attn_type).lower() not in ("decoder", "attentiontype.decoder"):
+        raise ValueError(f"kvcert: attention type {attn_type} is not supported (decoder self-attention only)")
+
+
+# --------------------------------------------------------------------------------------------
+# per-process state: the model runner (request ids of the batch) and the certificate records
+
+
+class _State:
+    def __init__(self):
+        self.runner = None
+        self.reset()
+
+    def reset(self):
+        self.records = []  # one dict per (forward, request, layer): numpy arrays
+        self.summary = defaultdict(lambda: {"rows": 0, "reads": 0, "max_bound": 0.0, "sum_bound": 0.0,
+                                            "repairs": 0, "repaired_heads": [], "violations": 0,
+                                            "max_true_tv": 0.0})
+        self.repaired = {}  # (request, layer) -> bool [Hkv]
+        self.side_bytes = 0  # bytes of the exact side store (K and V) allocated in this process
+        self.rank = (0, 0)
+        self.impls = getattr(self, "impls", [])  # the backend impls of this process (one per layer)
+
+    def req_ids(self, n):
+        runner = self.runner
+        if runner is None:
+            return [f"batch{i}" for i in range(n)]
+        ids = list(runner.input_batch.req_ids[:n])
+        return ids if len(ids) == n else [f"batch{i}" for i in range(n)]
+
+
+STATE = _State()
+CONFIG = None
+
+
+def config():
+    global CONFIG
+    if CONFIG is None:
+        CONFIG = Config()
+    return CONFIG
+
+
+def _ranks():
+    try:
+        from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
+        return get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
+    except Exception:  # no distributed group (unit use)
+        return 0, 0
+
+
+def _layer_index(layer):
+    m = re.search(r"layers\.(\d+)\.", getattr(layer, "layer_name", "") or "")
+    return int(m.group(1)) if m else -1
+
+
+# --------------------------------------------------------------------------------------------
+# the backend
+
+
+def _backend_classes():
+    from vllm.v1.attention.backend import AttentionType
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+
+    class KVCertImpl(CPUAttentionBackendImpl):
+        def __init__(self, num_heads, head_size, scale, num_kv_heads, *args, **kwargs):
+            super().__init__(num_heads, head_size, scale, num_kv_heads, *args, **kwargs)
+            from vllm.config import get_current_vllm_config
+            cfg = config()
+            vcfg = get_current_vllm_config()
+            check_engine(cfg, dtype=vcfg.model_config.dtype, kv_cache_dtype=self.kv_cache_dtype,
+                         head_size=head_size, attn_type=self.attn_type)
+            if self.sinks is not None or self.alibi_slopes is not None or self.logits_soft_cap:
+                raise ValueError("kvcert: attention sinks, ALiBi and logit soft-capping are not supported")
+            self.cfg = cfg
+            self.band_idx = rope_bands(head_size, cfg.bands)
+            self.kv_ref = None
+            self.rho = None  # [num_blocks, Hkv, bs, NB] fp32: the witness of each cache slot
+            self.exact_k = self.exact_v = None  # [num_blocks, Hkv, bs, D] fp32 (gate / shadow)
+            STATE.impls.append(self)
+
+        # cache layout of the VEC (fp32) kernels, measured: per (block, KV head) the key half holds
+        # K transposed [D, bs], the value half V as [bs, D] (the test reads them back bit for bit)
+        def _views(self, kv_cache):
+            nb, hkv, bs, _ = kv_cache.shape
+            D = self.head_size
+            halves = kv_cache.view(nb, hkv, 2, bs * D)
+            return halves[:, :, 0].view(nb, hkv, D, bs), halves[:, :, 1].view(nb, hkv, bs, D)
+
+        def _alloc(self, kv_cache, layer):
+            if getattr(layer, "isa", "vec") != "vec":
+                raise ValueError(f"kvcert: CPU attention ISA {layer.isa!r} is not supported (needs 'vec': fp32, "
+                                 "block size a multiple of 32)")
+            nb, hkv, bs, _ = kv_cache.shape
+            self.rho = torch.zeros(nb, hkv, bs, self.cfg.bands, dtype=torch.float32)
+            if self.cfg.exact_store:
+                self.exact_k = torch.zeros(nb, hkv, bs, self.head_size, dtype=torch.float32)
+                self.exact_v = torch.zeros_like(self.exact_k)
+                STATE.side_bytes += 2 * self.exact_k.numel() * 4
+            STATE.rank = _ranks()
+
+        def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+            if self.attn_type != AttentionType.DECODER:
+                return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+            n = slot_mapping.shape[0]
+            key, value = key[:n], value[:n]  # [n, Hkv, D]
+            codec = self.cfg.codec
+            if codec != "none":  # vLLM's fp8 cast, stored decoded in the fp32 cache
+                kq, vq = vllm_fp8.roundtrip(key, codec), vllm_fp8.roundtrip(value, codec)
+            else:
+                kq, vq = key, value
+            super().do_kv_cache_update(layer, kq, vq, kv_cache, slot_mapping)
+            if not self.cfg.certify:
+                return
+            if self.rho is None:
+                self._alloc(kv_cache, layer)
+            self.kv_ref = kv_cache
+            ok = slot_mapping >= 0
+            slots, key, value = slot_mapping[ok], key[ok], value[ok]
+            bs = kv_cache.shape[2]
+            blk, off = slots // bs, slots % bs
+            kt, _ = self._views(kv_cache)
+            stored = kt[blk, :, :, off]  # [n, Hkv, D]: what vLLM stored, read back
+            rho = witness(key.float().permute(1, 0, 2)[None], stored.permute(1, 0, 2)[None], self.band_idx,
+                          backend="torch")  # [1, Hkv, n, NB]
+            self.rho[blk, :, off] = rho[0].permute(1, 0, 2)
+            if self.exact_k is not None:
+                self.exact_k[blk, :, off] = key.float()
+                self.exact_v[blk, :, off] = value.float()
+
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+            out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+            if attn_metadata is None or not self.cfg.certify or self.attn_type != AttentionType.DECODER:
+                return out
+            if self.rho is None:
+                self._alloc(kv_cache, layer)
+            self._certify(layer, query, kv_cache, attn_metadata, output)
+            return out
+
+        def _gather(self, t, blocks, N):
+            """[num_blocks, Hkv, bs, X] side tensor -> [Hkv, N, X] for one request's blocks."""
+            g = t[blocks]  # [nblk, Hkv, bs, X]
+            return g.permute(1, 0, 2, 3).reshape(g.shape[1], -1, g.shape[3])[:, :N]
+
+        def _certify(self, layer, query, kv_cache, md, output):
+            cfg, H, D, Hkv = self.cfg, self.num_heads, self.head_size, self.num_kv_heads
+            G = H // Hkv
+            n = md.num_actual_tokens
+            qsl = md.query_start_loc.tolist()
+            seq = md.seq_lens.tolist()
+            R = len(seq)
+            ids = STATE.req_ids(R)
+            lidx = _layer_index(layer)
+            kt, vv = self._views(kv_cache)
+            bs = kv_cache.shape[2]
+            q_all = query[:n].view(n, H, D).float()
+            out_all = output[:n].view(n, H, D)
+            tp_rank, pp_rank = STATE.rank
+            for b in range(R):
+                t0, t1, N = qsl[b], qsl[b + 1], seq[b]
+                T = t1 - t0
+                if T <= 0 or N <= 0:
+                    continue
+                blocks = md.block_table[b, :(N + bs - 1) // bs].long()
+                k = kt[blocks].permute(1, 0, 3, 2).reshape(Hkv, -1, D)[:, :N]  # [Hkv, N, D] as stored
+                v = self._gather(vv, blocks, N)
+                rho = self._gather(self.rho, blocks, N)
+                pos = torch.arange(N - T, N)
+                q = q_all[t0:t1]  # [T, H, D]
+                ref, cert = attention_rows(q[None], k[None], v[None], rho[None], self.scale, bands=self.band_idx,
+                                         q_pos=pos[None], backend="torch")
+                bound = cert["min"][0]  # [T, H]
+                key = (ids[b], lidx)
+                rep = STATE.repaired.get(key)
+                if rep is None:
+                    rep = STATE.repaired[key] = torch.zeros(Hkv, dtype=torch.bool)
+                fresh = []
+                if cfg.gate.kind == "certified":
+                    over = bound.view(T, Hkv, G).amax(dim=(0, 2)) > cfg.gate.tau
+                    fresh = (over & ~rep).nonzero().flatten().tolist()
+                    rep |= over
+                vllm_out = out_all[t0:t1].float()  # vLLM's kernel, before any repair
+                served = bound.clone()
+                true_tv = None
+                if self.exact_k is not None:
+                    ek, ev = self._gather(self.exact_k, blocks, N), self._gather(self.exact_v, blocks, N)
+                    if bool(rep.any()):  # the gate: these heads read the exact side store from now on
+                        heads = rep.repeat_interleave(G)
+                        exact_out = _attend(q, ek, ev, pos, self.scale)  # [T, H, D]
+                        out_all[t0:t1, heads] = exact_out[:, heads].to(out_all.dtype)
+                        served[:, heads] = 0.0
+                    if cfg.shadow:
+                        true_tv = _true_tv(q, ek, k, pos, self.scale, rep)  # [T, H]
+                s = STATE.summary[ids[b]]
+                s["rows"] += T
+                s["reads"] += T * H
+                s["max_bound"] = max(s["max_bound"], float(served.max()))
+                s["sum_bound"] += float(served.sum())
+                s["repairs"] += len(fresh)
+                s["repaired_heads"] += [[lidx, tp_rank * Hkv + h] for h in fresh]
+                rec = {"request": ids[b], "layer": lidx, "tp_rank": tp_rank, "pp_rank": pp_rank,
+                       "head_offset": tp_rank * H, "pos": pos.numpy(), "bound": bound.numpy(),
+                       "served": served.numpy(), "repaired": rep.numpy().copy()}
+                if cfg.shadow:  # vLLM's kernel output vs the certified torch read of the same cache
+                    rec["out_diff"] = float((vllm_out - ref[0]).abs().max())
+                if true_tv is not None:
+                    rec["true_tv"] = true_tv.numpy()
+                    s["violations"] += int((true_tv > served).sum())
+                    s["max_true_tv"] = max(s["max_true_tv"], float(true_tv.max()))
+                STATE.records.append(rec)
+                if cfg.trace_dir:
+                    _trace(rec)
+
+    class KVCertBackend(CPUAttentionBackend):
+        @staticmethod
+        def get_impl_cls():
+            return KVCertImpl
+
+    return KVCertBackend, KVCertImpl
+
+
+def _attend(q, k, v, pos, scale):
+    """Plain causal attention in fp64 (GQA): q [T, H, D] at positions pos over k, v [Hkv, N, D]."""
+    T, H, D = q.shape
+    Hkv, N = k.shape[0], k.shape[1]
+    x = torch.einsum("tkgd,knd->tkgn", q.double().view(T, Hkv, H // Hkv, D), k.double()) * scale
+    x = x.masked_fill(torch.arange(N)[None, None, None] > pos[:, None, None, None], float("-inf"))
+    return torch.einsum("tkgn,knd->tkgd", torch.softmax(x, -1), v.double()).reshape(T, H, D)
+
+
+def _true_tv(q, k_exact, k_served, pos, scale, repaired):
+    """TV [T, H] between exact-key and served-key attention weights, fp64 (0 for repaired heads)."""
+    T, H, D = q.shape
+    Hkv, N = k_exact.shape[0], k_exact.shape[1]
+    mask = torch.arange(N)[None, None, None] > pos[:, None, None, None]
+
+    def probs(k):
+        x = torch.einsum("tkgd,knd->tkgn", q.double().view(T, Hkv, H // Hkv, D), k.double()) * scale
+        return torch.softmax(x.masked_fill(mask, float("-inf")), -1)
+
+    tv = (0.5 * (probs(k_exact) - probs(k_served)).abs().sum(-1)).reshape(T, H).float()
+    return tv.masked_fill(repaired.repeat_interleave(H // Hkv)[None], 0.0)
+
+
+def _trace(rec):
+    d = config().trace_dir
+    os.makedirs(d, exist_ok=True)
+    tp, pp = STATE.rank
+    row = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in rec.items()}
+    with open(os.path.join(d, f"kvcert-tp{tp}-pp{pp}.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+# --------------------------------------------------------------------------------------------
+# plugin entry point, worker extension, user helpers
+
+
+def register():
+    """vllm.general_plugins entry point: a no-op unless KVCERT_VLLM=1."""
+    cfg = config()
+    if not cfg.enabled:
+        return
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    register_backend(AttentionBackendEnum.CPU_ATTN, "fast.integrations.vllm.KVCertBackend")
+    if not getattr(CPUModelRunner, "_kvcert_wrapped", False):
+        init_kv = CPUModelRunner.initialize_kv_cache
+
+        def initialize_kv_cache(self, *args, **kwargs):  # the runner whose input_batch names the requests
+            STATE.runner = self
+            return init_kv(self, *args, **kwargs)
+
+        CPUModelRunner.initialize_kv_cache = initialize_kv_cache
+        CPUModelRunner._kvcert_wrapped = True
+
+
+def __getattr__(name):  # KVCertBackend / KVCertImpl are built on first use (vLLM imported lazily)
+    if name in ("KVCertBackend", "KVCertImpl"):
+        backend, impl = _backend_classes()
+        globals().update(KVCertBackend=backend, KVCertImpl=impl)
+        return globals()[name]
+    raise AttributeError(name)
+
+
+class KVCertWorker:
+    """worker_extension_cls: LLM.collective_rpc("kvcert_collect") pulls each rank's records."""
+
+    def kvcert_collect(self, clear=True, records=True):
+        out = {"rank": list(STATE.rank), "side_bytes": STATE.side_bytes,
+               "summary": {k: dict(v) for k, v in STATE.summary.items()},
+               "records": list(STATE.records) if records else []}
+        if clear:
+            side = STATE.side_bytes
+            STATE.reset()
+            STATE.side_bytes = side
+        return out
+
+
+    def kvcert_check_store(self):
+        """(slots checked, mismatches): every key and value vLLM holds for a written slot, read back
+        from the paged cache, against vllm_fp8.roundtrip of the exact one (needs the exact store)."""
+        checked = bad = 0
+        for impl in STATE.impls:
+            if impl.exact_k is None or impl.kv_ref is None:
+                continue
+            kt, vv = impl._views(impl.kv_ref)
+            written = impl.exact_k.abs().amax(-1) > 0  # [nb, Hkv, bs]: slots holding a token
+            k_st = kt.permute(0, 1, 3, 2)[written]
+            v_st = vv[written]
+            codec = impl.cfg.codec
+            k_mod = impl.exact_k[written] if codec == "none" else vllm_fp8.roundtrip(impl.exact_k[written], codec)
+            v_mod = impl.exact_v[written] if codec == "none" else vllm_fp8.roundtrip(impl.exact_v[written], codec)
+            checked += int(written.sum())
+            bad += int(((k_st.view(torch.int32) != k_mod.view(torch.int32)).any(-1)
+                        | (v_st.view(torch.int32) != v_mod.view(torch.int32)).any(-1)).sum())
+        return checked, bad
+
+
+def make_llm(model, *, codec="fp8_e4m3", gate="none", shadow=False, certify=True, trace_dir=None, bands=8, **kwargs):
+    """vllm.LLM with the plugin on (sets the KVCERT_* environment the workers inherit) after the
+    start-up checks; bad configuration -> ValueError with one line, before any engine starts."""
+    env = {ENV: "1", "KVCERT_CODEC": codec, "KVCERT_GATE": str(gate), "KVCERT_SHADOW": "1" if shadow else "0",
+           "KVCERT_CERTIFY": "1" if certify else "0", "KVCERT_BANDS": str(bands)}
+    if trace_dir:
+        env["KVCERT_TRACE_DIR"] = str(trace_dir)
+    cfg = Config(env)
+    backend = kwargs.get("attention_backend")
+    if backend not in (None, "CPU_ATTN"):
+        raise ValueError(f"kvcert: attention_backend={backend!r} is not supported (the plugin wraps CPU_ATTN)")
+    kwargs.setdefault("dtype", "float32")
+    kwargs.setdefault("kv_cache_dtype", "auto")
+    if kwargs["dtype"] not in ("float32", torch.float32):
+        check_engine(cfg, dtype=kwargs["dtype"], kv_cache_dtype="auto", head_size=2 * bands)
+    check_engine(cfg, dtype="float32", kv_cache_dtype=kwargs["kv_cache_dtype"], head_size=_head_size(model))
+    os.environ.update(env)
+    global CONFIG
+    CONFIG = cfg
+    kwargs.setdefault("worker_extension_cls", EXTENSION)
+    from vllm import LLM
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()
+    register()  # in case the plugins were loaded in this process before the switch was set
+    return LLM(model, **kwargs)
+
+
+def _head_size(model):
+    path = os.path.join(str(model), "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"kvcert: no config.json in {model}")
+    with open(path) as f:
+        c = json.load(f)
+    return c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+
+
+def collect(llm, clear=True):
+    """Every rank's records and summaries (list, one entry per worker)."""
+    return llm.collective_rpc("kvcert_collect", args=(clear,))
+
+
+def summaries(parts):
+    """{request_id: summary} merged over ranks (max of maxima, sums of counts); mean_bound added."""
+    out = {}
+    for part in parts:
+        for rid, s in part["summary"].items():
+            rid = external_id(rid)
+            m = out.setdefault(rid, {"rows": 0, "reads": 0, "max_bound": 0.0, "sum_bound": 0.0, "repairs": 0,
+                                     "repaired_heads": [], "violations": 0, "max_true_tv": 0.0})
+            m["rows"] = max(m["rows"], s["rows"])
+            m["reads"] += s["reads"]
+            m["max_bound"] = max(m["max_bound"], s["max_bound"])
+            m["sum_bound"] += s["sum_bound"]
+            m["repairs"] += s["repairs"]
+            m["repaired_heads"] += s["repaired_heads"]
+            m["violations"] += s["violations"]
+            m["max_true_tv"] = max(m["max_true_tv"], s["max_true_tv"])
+    for m in out.values():
+        m["mean_bound"] = m["sum_bound"] / max(1, m["reads"])
+    return out
+
+
+def external_id(rid):
+    """The engine's request id "<id>-<8 hex>" -> the id RequestOutput.request_id shows."""
+    head, sep, tail = str(rid).rpartition("-")
+    return head if sep and re.fullmatch(r"[0-9a-f]{8}", tail) else str(rid)
+
+
+def smollm2_dir():
+    """The converted SmolLM2 folder, with "architectures": ["LlamaForCausalLM"] in its config.json
+    (older converted copies lack it; vLLM then loads the model as an embedding model)."""
+    from fast.integrations.model import converted_dir, load_smollm2
+    out = converted_dir()
+    if not (out / "config.json").is_file():
+        load_smollm2()
+    path = out / "config.json"
+    c = json.loads(path.read_text())
+    if c.get("architectures") != ["LlamaForCausalLM"]:
+        c["architectures"] = ["LlamaForCausalLM"]
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(c, indent=2))
+        tmp.replace(path)
+    return out
+
+
+def main(argv=None):
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m fast.integrations.vllm",
+                                description="vLLM on SmolLM2 with an fp8 KV cache and a certificate for every read")
+    p.add_argument("--prompt", default="What is the capital of France? Answer in one sentence.")
+    p.add_argument("--codec", default="fp8_e4m3", choices=CODECS)
+    p.add_argument("--gate", default="certified:0.2")
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--trace-dir", default=None)
+    args = p.parse_args(argv)
+    try:
+        llm = make_llm(str(smollm2_dir()), codec=args.codec, gate=args.gate, enforce_eager=True, max_model_len=2048,
+                       kv_cache_memory_bytes=256 << 20, trace_dir=args.trace_dir)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from vllm import SamplingParams
+    tok = llm.get_tokenizer()
+    text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False, add_generation_prompt=True)
+    out = llm.generate([text], SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
+    summ = summaries(collect(llm))
+    for o in out:
+        s = summ.get(o.request_id, {})
+        print(f"answer: {o.outputs[0].text!r}")
+        print(f"request {o.request_id}: {s.get('rows', 0)} rows certified, {s.get('reads', 0)} (row, head) reads per "
+              f"layer sum, max bound {s.get('max_bound', math.nan):.4f}, mean {s.get('mean_bound', math.nan):.5f}, "
+              f"gate {args.gate}: {s.get('repairs', 0)} repairs")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
