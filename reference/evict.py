@@ -4,9 +4,9 @@ Kept set K, evicted set E, p = softmax of all logits, p^K = softmax over K only.
 Group radii are upper bounds that must never come out low: they are computed in interval
 arithmetic (mpmath.iv) and the upper end is returned.
 """
-from mpmath import exp, mpf, workdps
+from mpmath import exp, fsum, iv, log, mpf, workdps
 
-from reference.band import band_norms, check_partition, witness
+from reference.band import band_norms, check_partition, iv_digits, witness
 
 DPS = 60
 
@@ -82,3 +82,43 @@ def evict_bound(q, groups, log_z_kept_lower, scale, bands):
         upper += n_g * exp(s * centre + s * spread)
     lower = exp(mpf(log_z_kept_lower))
     return upper / (lower + upper)
+
+
+@workdps(DPS)
+def group_witness_of_stored(stored_keys, rho, bands):
+    """(n_g, mu_g, radii_g) for one group of evicted keys of a QUANTIZED cache (spec T7e).
+
+    stored_keys: the keys as the cache serves them; rho: per key, its band witness
+    (rho[j][b] >= ||(k_j - stored_j)_b|| for the exact key k_j). mu_g = the mean stored key;
+    radii_g[b] = max_j ||(stored_j - mu_g)_b|| + rho[j][b], an interval upper end, which is
+    >= ||(k_j - mu_g)_b|| for the exact keys (band triangle inequality).
+    """
+    if len(rho) != len(stored_keys):
+        raise ValueError(f"rho has {len(rho)} rows for {len(stored_keys)} keys")
+    n_g, mu, _ = group_witness(stored_keys, bands)
+    radii = [mpf(0)] * len(bands)
+    for k, r in zip(stored_keys, rho):
+        if len(r) != len(bands) or min(mpf(v) for v in r) < 0:
+            raise ValueError(f"rho: one nonnegative entry per band expected, got {r}")
+        spread = witness(k, mu, bands)
+        with iv_digits(DPS):
+            radii = [max(R, mpf((iv.mpf(w) + iv.mpf(v)).b)) for R, w, v in zip(radii, spread, r)]
+    return n_g, mu, radii
+
+
+@workdps(DPS)
+def log_z_kept_lower(q, stored_keys, c, scale):
+    """log sum_{j in K} e^{x~_j - c_j} <= log Z_K (spec T7f), x~_j = s <q, stored_j>.
+
+    c[j] >= |x_j - x~_j| (reference.band.logit_error_bound of the stored keys' witness).
+    Exact to 60 digits (a lower bound of the exact log Z_K up to that rounding)."""
+    if len(c) != len(stored_keys) or not stored_keys:
+        raise ValueError(f"c has {len(c)} entries for {len(stored_keys)} kept keys (need >= 1)")
+    s = mpf(scale)
+    xs = []
+    for k, cj in zip(stored_keys, c):
+        if len(k) != len(q) or mpf(cj) < 0:
+            raise ValueError("log_z_kept_lower: key length != query length, or c < 0")
+        xs.append(s * fsum(mpf(a) * mpf(b) for a, b in zip(q, k)) - mpf(cj))
+    top = max(xs)
+    return top + log(fsum(exp(v - top) for v in xs))
