@@ -15,7 +15,7 @@ def model():
 
 def gen(model, ids, cache=None, n=6):
     with torch.no_grad():
-        return model.generate(ids, max_new_tokens=n, do_sample=False, cache=cache)
+        return model.generate(ids, max_new_tokens=n, do_sample=False, past_key_values=cache)
 
 
 def stacked(cache, key):

@@ -29,7 +29,7 @@ def ask(text, cache, n=8):
     from fast.integrations.model import chat_ids
     ids = torch.tensor([chat_ids(tok, text)])
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=n, do_sample=False, cache=cache, pad_token_id=tok.pad_token_id)
+        out = model.generate(ids, max_new_tokens=n, do_sample=False, past_key_values=cache, pad_token_id=tok.pad_token_id)
     return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
@@ -72,7 +72,7 @@ def test_left_padded_batch_on_smollm2():
     mask = torch.tensor([[0] * (N - len(r)) + [1] * len(r) for r in rows])
     cache = CertifiedCache(model.config, "int8", shadow=True)
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, cache=cache,
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, past_key_values=cache,
                              pad_token_id=tok.pad_token_id)
     for i, r in enumerate(rows):
         alone = ask(texts[i], CertifiedCache(model.config, "int8"), n=5)
