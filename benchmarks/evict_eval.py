@@ -386,11 +386,19 @@ def main(argv=None):
         records += run_batch(model, tok, batch, args, variants)
         print(f"[{len(records)}/{args.n}] full {sum(r['full'] for r in records)}/{len(records)}, {time.time() - t0:.0f}s",
               flush=True)
-    settings = {"n": args.n, "tasks": args.tasks, "haystacks": args.haystacks, "tokens": args.tokens,
+        write(args, argv, records, taus, calib_drops, calib_info, variants, t0)   # a valid file after every batch
+    return 0
+
+
+def write(args, argv, records, taus, calib_drops, calib_info, variants, t0):
+    """The results file for the records so far (`done` < `n` while the run is in progress)."""
+    from benchmarks.ruler import natural_source
+    settings = {"n": args.n, "done": len(records), "tasks": args.tasks, "haystacks": args.haystacks, "tokens": args.tokens,
                 "budgets": args.budgets, "sinks": args.sinks, "window_frac": args.window_frac,
                 "evictors": args.evictors, "witness_variants": list(variants), "page_evict_rate": args.page_rate,
                 "page_heads": "query", "calib": calib_info, "batch": args.batch,
-                "natural_haystack": natural_source(), "cert_steps": args.cert_steps, "generation": "greedy, ruler.allowance(task) new tokens, stop at <|im_end|>"}
+                "natural_haystack": natural_source(), "cert_steps": args.cert_steps,
+                "generation": "greedy, ruler.allowance(task) new tokens, stop at <|im_end|>"}
     cells, pairs, findings = summarize(records, settings, taus)
     data = {"command": "nice -n 10 .venv/bin/python -m benchmarks.evict_eval "
                        + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -402,8 +410,6 @@ def main(argv=None):
     data["readme_tables"] = tables(data)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(data, indent=1))
-    print(f"wrote {args.out} in {time.time() - t0:.0f}s")
-    return 0
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ def shared_prefill(model, ids):
     cache, col = DynamicCache(config=model.config), LastQueries()
     col.layers = {}
     with torch.no_grad(), collecting(model, col):
-        logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     return cache, logits, col
 
 
@@ -73,7 +73,7 @@ def greedy(model, cache, logits, n_new, eos):
     out = [int(tok)]
     with torch.no_grad():
         while len(out) < n_new and out[-1] != eos:
-            logits = model(input_ids=tok[:, None], cache=cache, use_cache=True).logits[:, -1]
+            logits = model(input_ids=tok[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
             tok = logits.argmax(-1)
             out.append(int(tok))
     return out
@@ -249,7 +249,14 @@ def main(argv=None):
         r = records[-1]
         print(f"[{len(records)}/{args.n}] {ex['task']} full={r['full']} "
               f"{sum(x['ok'] for x in r['runs'].values())}/{len(r['runs'])} ok, {time.time() - t0:.0f}s", flush=True)
-    settings = {"n": args.n, "tokens": args.tokens, "tasks": args.tasks, "haystacks": args.haystacks,
+        write(args, argv, records, t0)                      # a valid file after every input
+    return 0
+
+
+def write(args, argv, records, t0):
+    """The results file for the records so far (`done` < `n` while the run is in progress)."""
+    from benchmarks.ruler import natural_source
+    settings = {"n": args.n, "done": len(records), "tokens": args.tokens, "tasks": args.tasks, "haystacks": args.haystacks,
                 "schemes": args.schemes, "gates": args.gates, "cert_steps": args.cert_steps, "seed0": args.seed0,
                 "natural_haystack": natural_source(), "cache": "CertifiedCache defaults: sinks 4, window 32, offload full"}
     cells, findings = summarize(records, settings)
@@ -261,8 +268,6 @@ def main(argv=None):
     data["readme_tables"] = tables(data)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(data, indent=1))
-    print(f"wrote {args.out} in {time.time() - t0:.0f}s")
-    return 0
 
 
 if __name__ == "__main__":

@@ -163,7 +163,7 @@ def test_shadow_truth_uses_exact_keys_not_quantized():
     first = out["tokens"][:, :1]
     with torch.no_grad():                                                  # exact keys, untouched by kvcert
         ref = DynamicCache(config=model.config)
-        model(input_ids=torch.cat([ids, first], 1), cache=ref, use_cache=True)
+        model(input_ids=torch.cat([ids, first], 1), past_key_values=ref, use_cache=True)
     k_exact = ref.layers[0].keys                                           # [1, Hkv, 161, D]
     gone = torch.ones(1, k_exact.shape[1], 161, dtype=torch.bool)
     gone.scatter_(2, keep, False)

@@ -166,3 +166,36 @@ def test_epikv_needs_no_attention(model):
     assert all(s.window is None and s.accumulated is None and s.last is None for s in pre.layers.values())
     e = evict(pre, EpiKV(64))
     assert e.evicted and pre.cache.layers[0].keys.shape[2] == 64
+
+
+def test_conventions_tova_heads_h2o_norm_and_no_forcing(model):
+    """property: TOVA heads=all keeps one set per layer (the same in every KV head); H2O norm=mean
+    divides the accumulated attention by the queries that see each token (n - pos); sinks=0,
+    window=0 keeps the pure top-K of the scores."""
+    import torch
+    from fast.policies.evictors import evict, make_evictor, prefill, positions
+    ids = torch.randint(3, 128, (1, 120), generator=torch.Generator().manual_seed(9))
+    pre = prefill(model, ids, needs={"last", "accumulated"})
+    st = pre.layers[0]
+    k = pre.cache.layers[0].keys
+    tova_all = make_evictor("tova:40:heads=all,sinks=0,window=0")
+    keep, _ = tova_all.keep_index(k, st, pre.valid)
+    assert all(torch.equal(keep[:, 0], keep[:, h]) for h in range(keep.shape[1]))
+    pure = st.last.mean(1).topk(40, -1).indices.sort(-1).values
+    assert torch.equal(keep[:, 0], pure)
+    tova_kv, _ = make_evictor("tova:40:sinks=0,window=0").keep_index(k, st, pre.valid)
+    assert not torch.equal(tova_kv[:, 0], tova_kv[:, 1])              # per KV head: different sets here
+    h_mean = make_evictor("h2o:40:norm=mean").scores(k, st, pre.valid)
+    seen = 120 - positions(pre.valid)
+    torch.testing.assert_close(h_mean, st.accumulated / seen[:, None, :])
+    keep_mean, _ = make_evictor("h2o:40:norm=mean,sinks=0,window=0").keep_index(k, st, pre.valid)
+    assert torch.equal(keep_mean, h_mean.topk(40, -1).indices.sort(-1).values)
+
+
+def test_make_evictor_rejects_bad_options():
+    """property: unknown keys, bad values and negative sizes are one clear ValueError."""
+    import pytest
+    from fast.policies.evictors import make_evictor
+    for bad in ("tova:64:heads=some", "knorm:64:norm=mean", "snapkv:64:window=-1", "snapkv:64:window=x", "snapkv:64:w"):
+        with pytest.raises(ValueError):
+            make_evictor(bad)

@@ -95,3 +95,38 @@ def test_cli_calibrate_page_and_run_arguments(tmp_path):
     assert from_args(ap.parse_args([])) == (None, None)
     with pytest.raises(ValueError):
         from_args(ap.parse_args(["--page", "0.1"]))
+
+
+def test_page_measures_query_heads_and_decides_per_row():
+    """property: heads="query" measures agreement over the 4 query heads of the tiny model (not its
+    2 KV heads, whose agreement differs); in a batch of 2 with tau between the two rows' drops,
+    exactly one row evicts: its answer equals the row evicted alone, the other row's equals
+    the full cache; the certificate of the mixed batch (and of the clustered witness) is sound
+    against the exact keys in shadow mode."""
+    from fast.policies.evictors import copy_prefill, decode, evict, prefill
+    model = tiny()
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, 128, (2, 200), generator=g)
+    pre = prefill(model, ids, needs={"window", "window_heads"})
+    L = len(pre.cache.layers)
+    ev = make_evictor("snapkv:100")
+    dq, _ = head_agreement_drop([pre.layers[l].window_heads for l in range(L)], pre.valid, 100, sinks=ev.sinks, window=ev.window)
+    dk, _ = head_agreement_drop([pre.layers[l].window for l in range(L)], pre.valid, 100, sinks=ev.sinks, window=ev.window)
+    assert pre.layers[0].window_heads.shape == (2, 4, 200) and not torch.allclose(dq, dk)
+    assert float(dq[0]) != float(dq[1])
+    tau = float(dq.mean())
+    hi = int(dq.argmax())
+    mixed = copy_prefill(pre, model.config)
+    e = evict(mixed, make_evictor("snapkv:100"), page=Page(tau), shadow=True, variants={"c8": {"group_size": 8, "cluster": True}})
+    assert e.rows.tolist() == [b == hi for b in range(2)] and e.evicted
+    assert e.kept_valid[hi].sum() == 100 and e.kept_valid[1 - hi].sum() == 200
+    out = decode(model, mixed, e, max_new_tokens=4, shadow=True)
+    alone = generate(model, ids[hi:hi + 1], evictor=make_evictor("snapkv:100"), max_new_tokens=4)
+    full = generate(model, ids[1 - hi:2 - hi], max_new_tokens=4)
+    assert out["tokens"][hi].tolist() == alone["tokens"][0].tolist()
+    assert out["tokens"][1 - hi].tolist() == full["tokens"][0].tolist()
+    for step in out["trace"]:
+        true = step["true"].double()
+        assert bool((step["bound"].double() >= true * (1 - 1e-12)).all())
+        assert bool((torch.sigmoid(step["variants"]["c8"]) * (1 + 1e-9) >= true * (1 - 1e-12)).all())
+        assert float(step["true"][:, 1 - hi].abs().max()) == 0.0              # the full row evicted nothing

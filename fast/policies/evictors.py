@@ -499,7 +499,7 @@ def prefill(model, input_ids, attention_mask=None, *, needs=(), cache=None):
     col = Collector(needs)
     pos = positions(valid).clamp_min(0)
     with torch.no_grad(), collecting(model, col):
-        out = model(input_ids=input_ids, attention_mask=valid.long(), position_ids=pos, cache=cache, use_cache=True,
+        out = model(input_ids=input_ids, attention_mask=valid.long(), position_ids=pos, past_key_values=cache, use_cache=True,
                     logits_to_keep=1)                          # only the last position's logits are used
     return Prefill(out.logits[:, -1].float(), cache, valid, col.layers)
 
@@ -759,7 +759,7 @@ def decode(model, pre, ev, *, max_new_tokens=16, certify=True, shadow=False, eos
             cert.step_bounds, cert.step_true, cert.step_log_odds, cert.step_variants = {}, {}, {}, {}
         with torch.no_grad(), collecting(model, col):
             out = model(input_ids=tok[:, None], attention_mask=valid_now.long(), position_ids=next_pos[:, None],
-                        cache=pre.cache, use_cache=True)
+                        past_key_values=pre.cache, use_cache=True)
         next_pos = next_pos + 1
         tok = out.logits[:, -1].argmax(-1)
         tokens.append(tok)
