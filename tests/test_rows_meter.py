@@ -21,7 +21,7 @@ def model():
 
 def gen(model, ids, cache, n=4, **kw):
     with torch.no_grad():
-        return model.generate(ids, max_new_tokens=n, do_sample=False, cache=cache, pad_token_id=0, **kw)
+        return model.generate(ids, max_new_tokens=n, do_sample=False, past_key_values=cache, pad_token_id=0, **kw)
 
 
 def check_sound(recs, L, T=None):
@@ -69,7 +69,7 @@ def test_chunked_prefill_certified(model):
     ids = tiny_ids(1, 60, seed=3)
     cache = CertifiedCache(model.config, "int8", sinks=0, window=0, shadow=True, value_bound=True)
     with torch.no_grad():
-        logits = [model(ids[:, a:b], cache=cache, use_cache=True).logits for a, b in ((0, 20), (20, 45), (45, 60))]
+        logits = [model(ids[:, a:b], past_key_values=cache, use_cache=True).logits for a, b in ((0, 20), (20, 45), (45, 60))]
         full = model(ids).logits
     L = model.config.num_hidden_layers
     assert len(cache.row_records) == 2 * L and cache.records == []
@@ -83,8 +83,8 @@ def test_chunked_prefill_gate_repairs(model):
     ids = tiny_ids(1, 50, seed=4)
     cache = CertifiedCache(model.config, "int4", sinks=0, window=0, shadow=True, gate="certified:0.001")
     with torch.no_grad():
-        model(ids[:, :30], cache=cache, use_cache=True)
-        model(ids[:, 30:], cache=cache, use_cache=True)
+        model(ids[:, :30], past_key_values=cache, use_cache=True)
+        model(ids[:, 30:], past_key_values=cache, use_cache=True)
     recs = cache.row_records
     assert sum(r["fresh_repairs"] for r in recs) > 0
     for r in recs:
@@ -103,8 +103,8 @@ def test_left_padded_second_turn(model):
     cache = CertifiedCache(model.config, "int8", sinks=0, window=0, shadow=True, value_bound=True)
     more = tiny_ids(2, 6, seed=9)
     with torch.no_grad():
-        model(ids, attention_mask=mask, cache=cache, use_cache=True)
-        model(more, attention_mask=torch.cat([mask, torch.ones(2, 6, dtype=torch.long)], 1), cache=cache, use_cache=True)
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        model(more, attention_mask=torch.cat([mask, torch.ones(2, 6, dtype=torch.long)], 1), past_key_values=cache, use_cache=True)
     L = model.config.num_hidden_layers
     check_sound(cache.row_records, L, 6)
     assert not bool(cache.layers[0].valid[1, :, :15].any())
@@ -119,7 +119,7 @@ def test_smollm2_second_turn_certified():
     ids = torch.tensor([chat_ids(tok, "Name three colours of the rainbow.")])
     cache = CertifiedCache(model.config, "int4", sinks=0, window=0, shadow=True, value_bound=True)
     with torch.no_grad():
-        first = model.generate(ids, max_new_tokens=6, do_sample=False, cache=cache, pad_token_id=tok.pad_token_id)
+        first = model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=cache, pad_token_id=tok.pad_token_id)
         turn2 = torch.cat([first, torch.tensor([chat_ids(tok, "And two more?")])], 1)
-        model.generate(turn2, max_new_tokens=3, do_sample=False, cache=cache, pad_token_id=tok.pad_token_id)
+        model.generate(turn2, max_new_tokens=3, do_sample=False, past_key_values=cache, pad_token_id=tok.pad_token_id)
     check_sound(cache.row_records, model.config.num_hidden_layers)
