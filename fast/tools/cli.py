@@ -74,7 +74,7 @@ def prefill_exact(model, ids, progress=True, desc=""):
     from transformers import DynamicCache
     cache = DynamicCache(config=model.config)
     with torch.no_grad(), tqdm(total=1, desc=f"{desc}prefill {len(ids)} tokens", disable=not progress, leave=False) as bar:
-        logits = model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True).logits[:, -1]
+        logits = model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True).logits[:, -1]
         bar.update(1)
     return cache, logits
 
@@ -103,7 +103,7 @@ def decode(model, ids, cache, max_new, *, eos=None, progress=True, desc="", shar
             bar = tqdm(total=L, desc=f"{desc}prefill", unit="layer", disable=not progress, leave=False)
             if not plain:
                 cache.on_layer = lambda phase, l: bar.update(1) if phase == "prefill" else None
-            logits = model(input_ids=x, cache=cache, use_cache=True).logits[:, -1]
+            logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits[:, -1]
             bar.update(L - bar.n)
             bar.close()
         tok = logits.argmax(-1)
@@ -111,7 +111,7 @@ def decode(model, ids, cache, max_new, *, eos=None, progress=True, desc="", shar
         bar = tqdm(total=max_new, desc=f"{desc}decode", unit="tok", disable=not progress, leave=False)
         bar.update(1)
         while len(out) < max_new and out[-1] != eos:
-            logits = model(input_ids=tok[:, None], cache=cache, use_cache=True).logits[:, -1]
+            logits = model(input_ids=tok[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
             tok = logits.argmax(-1)
             out.append(int(tok))
             bar.update(1)
@@ -243,31 +243,31 @@ def _evictable_hint(config):
     return f" (schemes that can: {', '.join(ok)})" if ok else ""
 
 
-def smallest_delta_req(config, scheme, t, n):
-    """The smallest delta_req the dither tier can use up to decode step t over n keys: the core
-    decides, by bisection on the fp64 grid (its checks are monotone in delta_req): a
-    CertifiedCache(config, scheme) accepts it, and the meter's local budget of step t
-    (budget_local, T6e) leaves a finite radius factor (radius_factor, T6c)."""
-    import struct
+def _dither_usable(config, scheme, t, n, d):
+    """The core accepts delta_req = d: a CertifiedCache(config, scheme) takes it, and the meter's
+    local budget of decode step t (budget_local, T6e) leaves a finite radius factor over n keys
+    (radius_factor, T6c)."""
     from fast.core.dither import budget_local, radius_factor
     from fast.integrations.hf_cache import CertifiedCache
-    L, H = config.num_hidden_layers, config.num_attention_heads
+    try:
+        CertifiedCache(config, scheme, sinks=0, window=0, seed=0, delta_req=d)
+        return math.isfinite(radius_factor(n, budget_local(d, config.num_hidden_layers, config.num_attention_heads, t)))
+    except (ValueError, OverflowError, ZeroDivisionError):
+        return False
+
+
+def smallest_delta_req(config, scheme, t, n):
+    """The smallest delta_req the dither tier can use up to decode step t over n keys, as the core
+    decides (_dither_usable): bisection on the fp64 grid (the core's checks are monotone in it)."""
+    import struct
 
     def value(bits):
         return struct.unpack("<d", struct.pack("<q", bits))[0]
 
-    def usable(bits):
-        d = value(bits)
-        try:
-            CertifiedCache(config, scheme, sinks=0, window=0, seed=0, delta_req=d)
-            return math.isfinite(radius_factor(n, budget_local(d, L, H, t)))
-        except (ValueError, OverflowError, ZeroDivisionError):
-            return False
-
     lo, hi = 0, struct.unpack("<q", struct.pack("<d", 0.5))[0]  # 0.0 unusable, 0.5 usable
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if usable(mid) else (mid, hi)
+        lo, hi = (lo, mid) if _dither_usable(config, scheme, t, n, value(mid)) else (mid, hi)
     return value(hi)
 
 
@@ -276,13 +276,15 @@ def _check_dither_budget(args, config):
     underflow): refused with the smallest usable value, checked at the last step of
     --max-new-tokens over a full context."""
     t = max(args.max_new_tokens - 1, 1)  # decode steps (the first token comes from the prefill)
-    least = smallest_delta_req(config, args.scheme, t, config.max_position_embeddings)
-    if args.delta_req < least:
-        shown = float(f"{least:.2e}")
-        while shown < least:
-            shown = float(f"{shown * 1.001:.2e}")
-        raise UsageError(f"--delta-req {args.delta_req!r} is too small: the dither tier's per-read budget "
-                         f"delta_req / (L H t (t+1)) underflows fp64; the smallest usable value is {shown:g}")
+    n = config.max_position_embeddings
+    if _dither_usable(config, args.scheme, t, n, args.delta_req):
+        return
+    least = smallest_delta_req(config, args.scheme, t, n)
+    shown = float(f"{least:.2e}")
+    while shown < least:
+        shown = float(f"{shown * 1.001:.2e}")
+    raise UsageError(f"--delta-req {args.delta_req!r} is too small: the dither tier's per-read budget "
+                     f"delta_req / (L H t (t+1)) underflows fp64; the smallest usable value is {shown:g}")
 
 
 def prompt_ids(tok, model, text, max_new):

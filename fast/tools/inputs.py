@@ -120,8 +120,8 @@ def check_out(path, flag="--out"):
             raise UsageError(f"{flag} {path}: the directory holds files that are not a kvcert trace; "
                              "give a new or an empty directory")
         _writable_place(out, path, flag)
-    except OSError as e:
-        raise UsageError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+        raise UsageError(f"{flag} {path}: cannot write there ({getattr(e, 'strerror', None) or e})") from None
     return out
 
 
@@ -135,8 +135,8 @@ def check_out_file(path, flag="--out"):
         if p.is_symlink() or p.exists() and not p.is_file():
             raise UsageError(f"{flag} {path}: exists and is not a regular file")
         _writable_place(p, path, flag)
-    except OSError as e:
-        raise UsageError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+        raise UsageError(f"{flag} {path}: cannot write there ({getattr(e, 'strerror', None) or e})") from None
     return p
 
 
