@@ -123,3 +123,24 @@ def test_smollm2_second_turn_certified():
         turn2 = torch.cat([first, torch.tensor([chat_ids(tok, "And two more?")])], 1)
         model.generate(turn2, max_new_tokens=3, do_sample=False, past_key_values=cache, pad_token_id=tok.pad_token_id)
     check_sound(cache.row_records, model.config.num_hidden_layers)
+
+
+@pytest.mark.parametrize("scheme,gate,offload", [("int8", "none", "full"), ("int4", "none", "full"), ("fp8_e5m2", "none", "full"),
+                                                 ("kivi2", "none", "full"), ("int4", "certified:0.01", "residual")])
+def test_decode_output_bound(model, scheme, gate, offload):
+    """T5 on every decode read: ||o - out|| (exact keys and values, fp64) <= out_err; the value
+    witness costs 4 bytes per (layer, KV head, quantized token), counted in device bytes."""
+    kw = dict(sinks=0, window=0, gate=gate, offload=offload)
+    cache = CertifiedCache(model.config, scheme, shadow=True, value_bound=True, **kw)
+    gen(model, tiny_ids(1, 70), cache, n=6)
+    true = torch.stack([r["true_out_err"] for r in cache.records])
+    bound = torch.stack([r["out_err"] for r in cache.records])
+    assert bool((true <= bound).all()) and float(true.max()) > 0
+    if gate != "none":
+        assert sum(r["fresh_repairs"] for r in cache.records) > 0
+        return
+    plain = CertifiedCache(model.config, scheme, shadow=True, **kw)
+    gen(model, tiny_ids(1, 70), plain, n=6)
+    L, Hkv = model.config.num_hidden_layers, model.config.num_key_value_heads
+    extra = cache.memory()["device_bytes"] - plain.memory()["device_bytes"]
+    assert extra == 4 * L * Hkv * cache.layers[0].nq
