@@ -74,3 +74,54 @@ def cast_error_bound(c, fmt, mode="nearest"):
         if mode == "toward_zero":
             return bound
         raise ValueError(f"mode: expected 'nearest' or 'toward_zero', got {mode!r}")
+
+
+def fdot(q, k, fmt="fp32", fma=False):
+    """FloatDot.v: the left-to-right floating-point dot product, each product rounded then
+    added (fma=False: DAdd of DLeaf), or fused acc <- round(q_i k_i + acc) (fma=True: DFma)."""
+    with workprec(EXACT_BITS):
+        if not q:
+            return mpf(0)
+        acc = round_nearest(mpf(q[0]) * mpf(k[0]), fmt)
+        for a, b in zip(q[1:], k[1:]):
+            if fma:
+                acc = round_nearest(mpf(a) * mpf(b) + acc, fmt)
+            else:
+                acc = round_nearest(acc + round_nearest(mpf(a) * mpf(b), fmt), fmt)
+        return acc
+
+
+def logit_rounding_bound(q, k, scale):
+    """FloatDot.v logit_rounding_le_code_f32 (spec T8e): an upper bound on |x^ - s <q, k>| for
+    the fp32 logit x^ = fl(fl(q . k) * fl32(s)), any summation order, FMA or not, D terms:
+        (D + 4) u32 1.01 s sum |q_i k_i|  +  (2.02 D s + 1) 2^-150.
+    The first term is the code's e (fast.core.certify.logit_rounding); the second, for
+    products below the normal range, is not in it. Returns (relative part, absolute part),
+    each an interval upper end."""
+    D = len(q)
+    if len(k) != D or not 200 * D * mpf(2) ** -24 <= 1:
+        raise ValueError(f"logit_rounding_bound: need len(q) == len(k) <= 83886 (got {D}, {len(k)})")
+    with workprec(EXACT_BITS):
+        s = iv.mpf(mpf(scale))
+        if s.a < 0:
+            raise ValueError(f"scale must be >= 0 (got {scale})")
+        total = iv.mpf(0)
+        for a, b in zip(q, k):
+            total += abs(iv.mpf(mpf(a)) * iv.mpf(mpf(b)))
+        u = iv.mpf(2) ** -24
+        rel = (D + 4) * u * iv.mpf("1.01") * s * total
+        absolute = (iv.mpf("2.02") * D * s + 1) * iv.mpf(2) ** -150
+        return rel.b, absolute.b
+
+
+def sum_lower_bound(computed, n, fmt="fp32"):
+    """FloatDot.v computed_mul_one_sub_gamma_le_exact (spec T8f): a lower bound on the exact
+    sum of n nonnegative terms of the format from the computed sum, any order, n u < 1:
+    the lower end of computed * (1 - gamma_n)."""
+    prec, _ = FORMATS[fmt]
+    if not n * mpf(2) ** (-prec) < 1:
+        raise ValueError(f"sum_lower_bound: n = {n} too large for {fmt} (needs n u < 1)")
+    if computed < 0:
+        raise ValueError("sum_lower_bound: a sum of nonnegative terms cannot be negative")
+    with workprec(EXACT_BITS):
+        return (iv.mpf(mpf(computed)) * (1 - gamma(n, fmt))).a
