@@ -58,6 +58,7 @@ def convert(out):
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    config.architectures = ["LlamaForCausalLM"]  # else vLLM loads the folder as an embedding model
     config.save_pretrained(tmp)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):

@@ -339,11 +339,16 @@ def _true_tv(q, k_exact, k_served, pos, scale, repaired):
     return tv.masked_fill(repaired.repeat_interleave(H // Hkv)[None], 0.0)
 
 
+def _plain(rec):
+    """numpy arrays -> nested lists (vLLM's RPC serializer would ship them as raw buffers)."""
+    return {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in rec.items()}
+
+
 def _trace(rec):
     d = config().trace_dir
     os.makedirs(d, exist_ok=True)
     tp, pp = STATE.rank
-    row = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in rec.items()}
+    row = _plain(rec)
     with open(os.path.join(d, f"kvcert-tp{tp}-pp{pp}.jsonl"), "a") as f:
         f.write(json.dumps(row) + "\n")
 
@@ -386,7 +391,7 @@ class KVCertWorker:
     def kvcert_collect(self, clear=True, records=True):
         out = {"rank": list(STATE.rank), "side_bytes": STATE.side_bytes,
                "summary": {k: dict(v) for k, v in STATE.summary.items()},
-               "records": list(STATE.records) if records else []}
+               "records": [_plain(r) for r in STATE.records] if records else []}
         if clear:
             side = STATE.side_bytes
             STATE.reset()
