@@ -148,3 +148,18 @@ def test_unnormalised_row_regression():
     c = torch.full((1, 1, 7), 1e-6, dtype=torch.float64)
     assert float(fast.tv_bound_forms(p, c)["e_form"]) > 0
     assert ref.tv_bound_forms([float(v) for v in p[0, 0].double()], [1e-6] * 7)["e_form"] > 0
+
+
+def test_logit_rounding_covers_subnormal_products():
+    """Property (spec T8e): fp32 products below the normal range round with an ABSOLUTE error that a
+    relative e misses; fast.core.certify.logit_rounding includes the (2.02 D s + 1) 2^-150 term."""
+    from mpmath import fsum, workprec
+    D, s = 64, 0.125
+    q = torch.full((1, 1, D), 2.0 ** -75)
+    k = torch.full((1, 1, 1, D), 0.7 * 2.0 ** -74).to(torch.float32)  # products 0.7 * 2^-149
+    x = float((torch.matmul(q[0], k[0, 0].T) * torch.tensor(s, dtype=torch.float32))[0, 0])
+    with workprec(400):
+        exact = s * fsum(mpf(float(a)) * mpf(float(b)) for a, b in zip(q.view(-1).double(), k.view(-1).double()))
+        err = abs(mpf(x) - exact)
+    e = float(fast.core.certify.logit_rounding(q, k.abs().amax(-2).double(), s)[0, 0])
+    assert err <= mpf(e), (err, e)

@@ -43,7 +43,7 @@ def check_radius(case):
         qh = [float(v) for v in q[0, h].double()]
         dl = [[float(v) for v in delta[0, h // case["G"], j].double()] for j in toks]
         for name, got, want in (("sigma", sig, ref.dither_sigma(qh, dl, s)),
-                                ("radius", rad, ref.dither_radius(qh, dl, s, n, case["d"]))):
+                                ("radius", rad, [ref.dither_radius_grid(qh, dj, s, n, case["d"], eta=mpf(2) ** -17) for dj in dl])):
             for j, w in zip(toks, want):
                 f = mpf(float(got[0, h, j]))
                 msg = f"{name} head {h} token {j}: fast {f} ref {w}; reproduce check_radius({json.dumps(case)})"
@@ -85,3 +85,9 @@ def test_dithered_cache_failure_rate_below_budget():
     rate = float((eps.abs() > rad).double().mean())
     assert rate <= d + 4 * math.sqrt(d * (1 - d) / N), rate
     assert rate > 0.001, rate  # the radius is not vacuous: some tokens come near it
+
+
+def test_radius_covers_the_grid_bias():
+    """Regression (proofs/DitherGrid.v): the 16-bit grid dither is not centred; the centred radius
+    sigma sqrt(2 ln(2n/d)) alone is below the proved grid radius (this case failed before the bias term)."""
+    check_radius({"seed": 0, "Hkv": 1, "G": 1, "N": 3, "D": 128, "dtype": "fp32", "mag": 1.0, "n": 5, "d": 0.5})

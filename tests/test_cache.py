@@ -19,7 +19,7 @@ def model():
 
 def gen(model, ids, cache=None, n=6, **kw):
     with torch.no_grad():
-        return model.generate(ids, max_new_tokens=n, do_sample=False, cache=cache, pad_token_id=0, **kw)
+        return model.generate(ids, max_new_tokens=n, do_sample=False, past_key_values=cache, pad_token_id=0, **kw)
 
 
 def stacked(cache, key):
@@ -106,7 +106,7 @@ def test_sampling_generates_and_certifies(model):
     torch.manual_seed(0)
     cache = CertifiedCache(model.config, "fp8_e4m3", shadow=True)
     with torch.no_grad():
-        out = model.generate(tiny_ids(1, 40), max_new_tokens=5, do_sample=True, temperature=1.0, cache=cache)
+        out = model.generate(tiny_ids(1, 40), max_new_tokens=5, do_sample=True, temperature=1.0, past_key_values=cache)
     assert out.shape == (1, 45)
     assert len(cache.records) == 4 * 2
     assert bool((stacked(cache, "true_tv") <= stacked(cache, "min")).all())
@@ -130,7 +130,7 @@ def test_keep_tokens_shrinks_storage(model):
     """The eviction hook gathers codes, witness and exact overlay per KV head; decoding goes on soundly."""
     cache = CertifiedCache(model.config, "int8", sinks=2, window=4, shadow=True)
     with torch.no_grad():
-        model(input_ids=tiny_ids(1, 48), cache=cache, use_cache=True)
+        model(input_ids=tiny_ids(1, 48), past_key_values=cache, use_cache=True)
     before = cache.memory()["device_bytes"]
     layer = cache.layers[0]
     k_before, _ = layer.served()
@@ -147,7 +147,7 @@ def test_keep_tokens_shrinks_storage(model):
     with torch.no_grad():
         tok = torch.tensor([[5]])
         for _ in range(3):
-            tok = model(input_ids=tok, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            tok = model(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
     assert len(cache.records) == 3 * 2 and layer.n == 23
     assert bool((stacked(cache, "true_tv") <= stacked(cache, "min")).all())
 
@@ -321,7 +321,7 @@ def test_keep_tokens_on_fp8_caches(model, scheme):
     the bytes), then certified decoding stays sound."""
     cache = CertifiedCache(model.config, scheme, sinks=2, window=4, shadow=True)
     with torch.no_grad():
-        model(input_ids=tiny_ids(1, 48), cache=cache, use_cache=True)
+        model(input_ids=tiny_ids(1, 48), past_key_values=cache, use_cache=True)
     layer = cache.layers[0]
     k_before, _ = layer.served()
     index = torch.stack([torch.randperm(48, generator=torch.Generator().manual_seed(h))[:20].sort().values for h in range(2)])[None]
@@ -332,7 +332,7 @@ def test_keep_tokens_on_fp8_caches(model, scheme):
     with torch.no_grad():
         tok = torch.tensor([[5]])
         for _ in range(3):
-            tok = model(input_ids=tok, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            tok = model(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
     assert len(cache.records) == 3 * 2
     assert bool((stacked(cache, "true_tv") <= stacked(cache, "min")).all())
 

@@ -276,7 +276,9 @@ def band_norms_up(x64, bands):
 
 def logit_rounding(q, kmax, s):
     """e [B, H] fp64 >= |x^_j - s <q, k~_j>| for the fp32 logits x^ (module doc), with
-    sum_i |q_i| |k~_ji| <= sum_i |q_i| kmax_i (kmax: [B, Hkv, D] per-channel bound)."""
+    sum_i |q_i| |k~_ji| <= sum_i |q_i| kmax_i (kmax: [B, Hkv, D] per-channel bound):
+    (D + 4) u32 1.01 s sum_i |q_i| kmax_i + (2.02 D s + 1) 2^-150 (spec T8e, proofs/FloatDot.v: the
+    absolute part pays for products and a logit below the normal range)."""
     e = logit_rounding_np(q.to(torch.float64).cpu().numpy(), kmax.cpu().numpy(), s)
     return torch.from_numpy(e).to(q.device)
 
@@ -288,7 +290,9 @@ def logit_rounding_np(q64, kmax, s):
     B, H, D = q64.shape
     Hkv = kmax.shape[1]
     qk = np.matmul(np.abs(q64).reshape(B, Hkv, H // Hkv, D), kmax[..., None])  # [B, Hkv, G, 1]
-    return _up(s * qk.reshape(B, H) * ((D + 4) * U32 * 1.01))
+    rel = s * qk.reshape(B, H) * ((D + 4) * U32 * 1.01)
+    absolute = (2.03 * D * s + 1) * 2.0 ** -150  # 2.03 > 2.02: pays for the fp64 roundings of this line
+    return _up(rel + absolute)  # one ulp up covers the rounding of the sum (nonnegative terms)
 
 
 def forms_with_margin(a, b, z, cmax, margin):

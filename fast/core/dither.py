@@ -57,14 +57,31 @@ def radius_factor(n, d):
     return math.sqrt(2.0 * math.log(2.0 * n / d)) * (1 + 1e-14)
 
 
+GRID_BIAS = 2.0 ** -16  # per coordinate, in steps: the grid dither's mean (<= 2^-17 + 2^-18) + the quantizer's fp32 roundings
+
+
+def _bias64(q, delta, s):
+    """[B, H, N] fp64 upper bounds of s sum_i |q_i| delta_{j,i} 2^-16: the D-term sum of nonnegative
+    products (gamma_D), the products and the two scalings (exact power of two, one rounding)."""
+    B, H, D = q.shape
+    Hkv, N = delta.shape[1:3]
+    qa = q.to(torch.float64).abs().view(B, Hkv, H // Hkv, D)
+    t = torch.matmul(qa, delta.to(torch.float64).transpose(-1, -2)) * (s * GRID_BIAS)
+    return up64(t * (1 + 2 * gamma(D + 3))).reshape(B, H, N)
+
+
 def dither_radius(q, delta, scale, n, d):
-    """c [B, H, N] fp32 >= sigma_j sqrt(2 ln(2n/d)) (T6c): with probability >= 1 - d all n
-    tokens of one read satisfy |eps_j| <= c_j (non-adaptive queries, A1-A2)."""
+    """c [B, H, N] fp32 >= s sum_i |q_i| delta_{j,i} 2^-16 + sigma_j sqrt(2 ln(2n/d)) (T6c on the
+    code's grid): with probability >= 1 - d all n tokens of one read satisfy |eps_j| <= c_j
+    (non-adaptive queries, A1-A2). The first term: the dither is uniform on a 2^16-point grid, whose
+    error is NOT centred (mean up to 2^-17 + 2^-18 steps with the fp32 add; proofs/DitherGrid.v
+    token_failure_le, /work/notes/dither_proxy.md), plus the quantizer's own fp32 roundings; the
+    sub-Gaussian tail holds for the centred part (reference.dither.dither_radius_grid, eta = 2^-17)."""
     s = _check(q, delta, scale)
     f = radius_factor(n, d)
     if n < delta.shape[2]:
         raise ValueError(f"n = {n}: the union bound must count at least the {delta.shape[2]} tokens given")
-    return up32(up64(_sigma64(q, delta, s) * f))
+    return up32(up64(up64(_sigma64(q, delta, s) * f) + _bias64(q, delta, s)))
 
 
 TINY64 = 2.0 ** -1022  # least normal fp64: a local budget below it is refused, never rounded to 0
