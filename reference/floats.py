@@ -125,3 +125,22 @@ def sum_lower_bound(computed, n, fmt="fp32"):
         raise ValueError("sum_lower_bound: a sum of nonnegative terms cannot be negative")
     with workprec(EXACT_BITS):
         return (iv.mpf(mpf(computed)) * (1 - gamma(n, fmt))).a
+
+
+def int_codec_round_trip(x, scale, qmax):
+    """Codec.v (spec T8g): one coordinate of int8 / int4 with the code's fp32 operations:
+    y = fl32(x / scale), m = round half to even of y, x~ = fl32(m * scale) (= m * scale exactly
+    for an fp16 scale). Returns (x~, the proved bound scale (1/2 + u qmax (1 + 2^-52) + 2^-150))."""
+    with workprec(EXACT_BITS):
+        sc = mpf(scale)
+        if not sc > 0:
+            raise ValueError(f"scale must be > 0 (got {scale})")
+        y = round_nearest(mpf(x) / sc, "fp32")
+        m = floor(y)
+        frac = y - m
+        if frac > mpf(1) / 2 or (frac == mpf(1) / 2 and int(m) % 2 == 1):
+            m += 1
+        xt = round_nearest(m * sc, "fp32")
+        u = mpf(2) ** -24
+        bound = sc * (mpf(1) / 2 + u * qmax * (1 + mpf(2) ** -52) + mpf(2) ** -150)
+        return xt, bound
