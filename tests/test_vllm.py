@@ -79,7 +79,7 @@ PROMPTS = [list(range(3, 3 + n)) for n in (37, 150, 5, 90)]
 
 def _engine(model, **kw):
     kw.setdefault("kv_cache_memory_bytes", 8 << 20)  # else vLLM reserves 92% of the machine's memory
-    return make_llm(model, skip_tokenizer_init=True, enforce_eager=True, block_size=32, max_model_len=512,
+    return make_llm(model, skip_tokenizer_init=True, enforce_eager=True, block_size=32, max_model_len=256,
                     enable_chunked_prefill=True, max_num_batched_tokens=64, max_num_seqs=4, **kw)
 
 
@@ -91,9 +91,9 @@ def _generate(llm, n=24):
 
 @pytest.fixture(scope="module")
 def shadow_run(tiny):
-    """fp8_e4m3, shadow, chunked prefill (64-token budget), 8 blocks of 32 tokens for 4 requests
+    """fp8_e4m3, shadow, chunked prefill (64-token budget), 9 blocks of 32 tokens (8 usable) for 4 requests
     of up to 174 tokens: vLLM must preempt and recompute."""
-    llm = _engine(tiny, codec="fp8_e4m3", shadow=True, num_gpu_blocks_override=8)
+    llm = _engine(tiny, codec="fp8_e4m3", shadow=True, num_gpu_blocks_override=9)
     outs = _generate(llm)
     store = llm.collective_rpc("kvcert_check_store")
     parts = collect(llm)
@@ -112,7 +112,7 @@ def test_vllm_bound_holds_on_every_row(shadow_run):
     outs, parts, _ = shadow_run
     recs = [r for p in parts for r in p["records"]]
     tv, bound = _cat(recs, "true_tv"), _cat(recs, "bound")
-    assert tv.size > 5000
+    assert tv.size > 2000
     bad = np.nonzero(tv > bound)[0]
     assert bad.size == 0, f"{bad.size} violations, first tv={tv[bad[0]]} bound={bound[bad[0]]}"
     assert float(tv.max()) > 1e-4  # the run exercises real quantization error
@@ -122,8 +122,9 @@ def test_vllm_bound_holds_on_every_row(shadow_run):
 
 
 def test_vllm_prefill_decode_and_chunks_all_certified(shadow_run):
-    """property: every position of every request is certified in every layer: prefill chunks
-    (rows > 1 per read), decode rows (1), and the whole sequence (no gap)."""
+    """property: every computed position of every request is certified in every layer: prefill
+    chunks (rows > 1 per read), decode rows (1), no gap after the prefix-cache hit (the prompts
+    share their first block)."""
     outs, parts, _ = shadow_run
     recs = [r for p in parts for r in p["records"]]
     assert max(len(np.asarray(r["pos"])) for r in recs) > 1 and min(len(np.asarray(r["pos"])) for r in recs) == 1
@@ -134,7 +135,10 @@ def test_vllm_prefill_decode_and_chunks_all_certified(shadow_run):
             for r in recs:
                 if r["layer"] == layer and r["request"].startswith(o.request_id + "-"):
                     seen.update(np.asarray(r["pos"]).tolist())
-            assert seen == set(range(n)), (o.request_id, layer, sorted(set(range(n)) - seen)[:5])
+            # rows served from the prefix cache are not recomputed (no read): their keys, with the
+            # witness written by the request that computed them, are certified at every later read
+            c = o.num_cached_tokens or 0
+            assert set(range(c, n)) <= seen <= set(range(n)), (o.request_id, layer, c, sorted(set(range(c, n)) - seen)[:5])
 
 
 def test_vllm_preempted_request_keeps_correct_witnesses(shadow_run):
@@ -204,6 +208,22 @@ def test_vllm_bad_configuration_fails_at_startup(tiny, kw, msg):
 def test_vllm_bad_head_size_fails_at_startup(tmp_path):
     path = tmp_path / "cfg"
     path.mkdir()
-    (path / "config.json").write_text(json.dumps({"hidden_size": 96, "num_attention_heads": 2, "head_dim": 48}))
-    with pytest.raises(ValueError, match="head size 48 is not a multiple of 2 \\* KVCERT_BANDS = 16"):
+    (path / "config.json").write_text(json.dumps({"hidden_size": 80, "num_attention_heads": 2, "head_dim": 40}))
+    with pytest.raises(ValueError, match="head size 40 is not a multiple of 2 \\* KVCERT_BANDS = 16"):
         make_llm(str(path))
+
+
+def test_vllm_tensor_parallel_ranks_certify_their_own_heads(tiny, monkeypatch):
+    """property: with tensor_parallel_size=2 (2 CPU worker processes, 1 KV head each) every rank
+    certifies its own KV head (distinct head offsets), and bound >= true TV on both ranks."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank (one NUMA node here)
+    llm = _engine(tiny, codec="fp8_e4m3", shadow=True, tensor_parallel_size=2, distributed_executor_backend="mp")
+    _generate(llm, n=4)
+    parts = collect(llm)
+    del llm
+    assert sorted(tuple(p["rank"]) for p in parts) == [(0, 0), (1, 0)]
+    offsets = {p["rank"][0]: {r["head_offset"] for r in p["records"]} for p in parts}
+    assert offsets == {0: {0}, 1: {2}}
+    for p in parts:
+        tv, bound = _cat(p["records"], "true_tv"), _cat(p["records"], "bound")
+        assert tv.size > 500 and not (tv > bound).any()
