@@ -123,7 +123,8 @@ RUN_BAD = [  # (extra argv, a word the message must contain)
     (["--max-new-tokens", "-3"], "--max-new-tokens"),
     (["--max-new-tokens", str(10 ** 20)], "context"),
     (["--max-new-tokens", "nan"], "integer"),
-    (["--evict", "snapkv:8", "--evict-group-size", "-1"], ">= 1"),
+    (["--evict", "snapkv:8", "--evict-group-size", "-1"], "[1, 8192]"),
+    (["--evict", "snapkv:8", "--evict-group-size", str(10 ** 30)], "[1, 8192]"),   # torch.pad overflowed mid-run
     (["--evict", "snapkv:\u0668"], "ASCII"),
     (["--evict", "snapkv:8", "--page", "nan"], "finite number"),
     (["--offload", "sometimes"], "invalid choice"),

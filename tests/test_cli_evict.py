@@ -39,7 +39,7 @@ def test_bad_eviction_input_is_one_line(tmp_path, capsys):
     assert "give --evict" in one_line_error(capsys, base + ["--page", "0.1"])
     assert "neither a finite number" in one_line_error(capsys, base + ["--evict", "snapkv:8", "--page", "zz"])
     assert "calibration file" in one_line_error(capsys, base + ["--evict", "snapkv:8", "--page", str(bad)])
-    assert ">= 1" in one_line_error(capsys, base + ["--evict", "snapkv:8", "--evict-group-size", "0"])
+    assert "[1, 8192]" in one_line_error(capsys, base + ["--evict", "snapkv:8", "--evict-group-size", "0"])
     assert "per-token scheme" in one_line_error(capsys, base + ["--evict", "snapkv:8", "--scheme", "kivi2"])
     assert "per-token scheme" in one_line_error(capsys, base + ["--evict", "snapkv:8", "--scheme", "int8_dither"])
     err = one_line_error(capsys, ["calibrate-page", "--budget", "1.5"])

@@ -125,8 +125,9 @@ FLAGS = {  # flag: (good values, bad values with the reason)
                 bad(st.sampled_from(["foo:3", "snapkv:abc", "snapkv", "h2o:1.5", "tova:0", "snapkv:-4",
                                      "snapkv:\u0663", "h2o:nan"]), "evictor spec")),
     "--page": (good(st.floats(-10, 10).map(repr)), bad(NOT_A_REAL, "tau not a finite number")),
-    "--evict-group-size": (good(st.integers(1, 10 ** 6)),
-                           st.one_of(bad(st.integers(max_value=0), "< 1"), bad(NOT_AN_INT, "not an integer"))),
+    "--evict-group-size": (good(st.integers(1, 8192)),
+                           st.one_of(bad(st.integers(max_value=0), "< 1"), bad(st.integers(8193, 10 ** 40), "> context"),
+                                     bad(NOT_AN_INT, "not an integer"))),
 }
 
 

@@ -175,8 +175,8 @@ def check_args(args, config=SMOLLM2):
     if not 1 <= args.max_new_tokens < limit:
         raise UsageError(f"--max-new-tokens must lie in [1, {limit - 1}] (the model's context is {limit} tokens), "
                          f"got {args.max_new_tokens}")
-    if getattr(args, "evict_group_size", 1) < 1:
-        raise UsageError(f"--evict-group-size must be >= 1, got {args.evict_group_size}")
+    if not 1 <= getattr(args, "evict_group_size", 1) <= limit:  # one group of `limit` holds every evicted token
+        raise UsageError(f"--evict-group-size must lie in [1, {limit}] (the model's context), got {args.evict_group_size}")
     try:
         scheme = get_scheme(args.scheme)
         if scheme.dither and 0 < args.delta_req < 1:
