@@ -52,6 +52,16 @@ def test_cast_model_keeps_every_fp8_value(codec):
     assert torch.equal(vllm_fp8.roundtrip(vals, codec), vals)
 
 
+@pytest.mark.parametrize("codec", vllm_fp8.CODECS)
+def test_plugin_cast_is_the_cast_model(codec):
+    """differential: the cast the plugin applies (fast.core.quant's rtz codec) equals the
+    independent model of vLLM's kernel (vllm_fp8) bit for bit, clamping and subnormals included."""
+    from fast.integrations.vllm import _cast
+    g = torch.Generator().manual_seed(1)
+    x = torch.cat([torch.randn(3, 2, 4096, generator=g) * s for s in (1e-5, 1e-2, 1.0, 100.0, 1e5)], -1)
+    assert torch.equal(_cast(x, codec).view(torch.int32), vllm_fp8.roundtrip(x, codec).view(torch.int32))
+
+
 # ---------------------------------------------------------------- engines
 
 def _tiny_model(path, head_dim=64):
@@ -159,7 +169,7 @@ def test_vllm_preempted_request_keeps_correct_witnesses(shadow_run):
 
 def test_vllm_stored_keys_match_the_cast_model_bit_for_bit(shadow_run):
     """differential: every written slot of every layer, read back from vLLM's paged cache, equals
-    vllm_fp8.roundtrip(exact key / value) bit for bit."""
+    vllm_fp8.roundtrip(exact key / value) (the independent model of vLLM's kernel cast) bit for bit."""
     _, _, store = shadow_run
     checked, bad = map(sum, zip(*store))
     assert checked >= 8 * 32 * 2 * 2 // 2 and bad == 0, (checked, bad)

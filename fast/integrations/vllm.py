@@ -49,6 +49,7 @@ from collections import defaultdict
 import torch
 
 from fast.core.attention import attention_rows
+from fast.core.quant import dequantize, quantize
 from fast.core.rope import rope_bands
 from fast.core.witness import witness
 from fast.integrations import vllm_fp8
@@ -202,8 +203,8 @@ def _backend_classes():
             n = slot_mapping.shape[0]
             key, value = key[:n], value[:n]  # [n, Hkv, D]
             codec = self.cfg.codec
-            if codec != "none":  # vLLM's fp8 cast, stored decoded in the fp32 cache
-                kq, vq = vllm_fp8.roundtrip(key, codec), vllm_fp8.roundtrip(value, codec)
+            if codec != "none":  # vLLM's fp8 cast (the core's rtz codec), stored decoded in the fp32 cache
+                kq, vq = _cast(key, codec), _cast(value, codec)
             else:
                 kq, vq = key, value
             super().do_kv_cache_update(layer, kq, vq, kv_cache, slot_mapping)
@@ -314,6 +315,12 @@ def _backend_classes():
             return KVCertImpl
 
     return KVCertBackend, KVCertImpl
+
+
+def _cast(x, codec):
+    """vLLM's CPU fp8 cast and read-back (scale 1, vLLM's default): fast.core.quant's round-toward-zero
+    codec; fast.integrations.vllm_fp8 is the independent model it is tested against."""
+    return dequantize(quantize(x.float()[None], codec + "_rtz"))[0]
 
 
 def _attend(q, k, v, pos, scale):
