@@ -62,6 +62,23 @@ def test_torch_logit_within_bound(qk, s):
     check_logit(q, k, s, float(x[0, 0]))
 
 
+@settings(max_examples=200, deadline=None)
+@given(pairs(st.integers(-127, 127)), SCALES, st.sampled_from([2.0 ** -24, 6.1e-5, 0.0123, 1.0, 300.0]))
+def test_torch_logit_scaled_within_bound(qm, s, sc):
+    """differential: the int8 path with one scale per token, fl(fl(fl(q . m) sc) s32), as
+    fast.core.attention computes it, within T8e's scaled bound."""
+    m, _ = qm
+    q = [float(v) for v in torch.randn(len(m), generator=torch.Generator().manual_seed(len(m)))]
+    sc32 = float(torch.tensor(sc, dtype=torch.float32))
+    x = torch.matmul(torch.tensor([q]), torch.tensor([m], dtype=torch.float32).T) \
+        * torch.tensor(sc32, dtype=torch.float32) * torch.tensor(s, dtype=torch.float32)
+    rel, absolute = floats.logit_rounding_bound(q, m, s, code_scale=sc32)
+    with workprec(floats.EXACT_BITS):
+        exact = mpf(s) * mpf(sc32) * sum((mpf(a) * mpf(b) for a, b in zip(q, m)), mpf(0))
+        err = abs(mpf(float(x[0, 0])) - exact)
+        assert err <= rel + absolute, f"reproducer: q={q!r} m={m!r} s={s!r} sc={sc32!r} error={err} bound={rel} + {absolute}"
+
+
 def test_subnormal_products_need_the_absolute_term():
     """property: products below the normal range round with an absolute error that the
     relative part (the code's e) does not cover; the proved bound does."""

@@ -504,3 +504,104 @@ Proof.
   intros Hn Ht. rewrite gamma64_eq. rewrite u64_eq in Hn.
   exact (computed_mul_one_sub_gamma_le_exact_fmt (-1074) 53 prec64_gt_0 choice t Hn Ht).
 Qed.
+
+Lemma code_factor_le_scaled u n :
+  0 < u -> u <= / 1000000 -> 0 <= n -> 200 * (n * u) <= 1 ->
+  (1 + u) ^ 4 * (n * u / (1 - n * u)) + ((1 + u) ^ 2 + 1) * (2 * u + u ^ 2)
+    <= (n + 4) * u * (101 / 100)
+  /\ (1 + u) ^ 4 * (2 * n - 1) / (1 - n * u) <= (202 / 100) * n
+  /\ (1 + u) ^ 2 <= 101 / 100.
+Proof.
+  intros Hu Hu1 Hn Hw.
+  set (w := n * u) in *.
+  assert (Hw0 : 0 <= w) by (unfold w; nra).
+  assert (H1w : 199 / 200 <= 1 - w) by lra.
+  set (g := w / (1 - w)).
+  assert (Hg : g * (1 - w) = w) by (unfold g; field; lra).
+  assert (Hg0 : 0 <= g) by (unfold g; apply Rmult_le_pos; [lra|left; apply Rinv_0_lt_compat; lra]).
+  assert (Hgw : g <= w * (200 / 199)) by nra.
+  assert (Hsq : (1 + u) ^ 2 <= 1 + 3 * u) by nra.
+  assert (Hsq1 : 1 <= (1 + u) ^ 2) by nra.
+  assert (H4 : (1 + u) ^ 4 <= 1 + 7 * u).
+  { replace ((1 + u) ^ 4) with ((1 + u) ^ 2 * (1 + u) ^ 2) by ring.
+    apply Rle_trans with ((1 + 3 * u) * (1 + 3 * u)); [apply Rmult_le_compat; lra|nra]. }
+  assert (H41 : 1 <= (1 + u) ^ 4).
+  { replace ((1 + u) ^ 4) with ((1 + u) ^ 2 * (1 + u) ^ 2) by ring. nra. }
+  split; [|split; [|lra]].
+  - assert (Hp : (1 + u) ^ 4 * g <= (1 + 7 * u) * (w * (200 / 199))).
+    { apply Rmult_le_compat; nra. }
+    assert (Hp2 : (1 + 7 * u) * (w * (200 / 199)) <= w * (101 / 100)) by nra.
+    assert (Hq : ((1 + u) ^ 2 + 1) * (2 * u + u ^ 2) <= (2 + 3 * u) * (2 * u + u ^ 2))
+      by (apply Rmult_le_compat_r; nra).
+    assert (Hq2 : (2 + 3 * u) * (2 * u + u ^ 2) <= (404 / 100) * u) by nra.
+    assert (Hr : (n + 4) * u * (101 / 100) = w * (101 / 100) + (404 / 100) * u) by (unfold w; field).
+    rewrite Hr. lra.
+  - unfold Rdiv. set (i := / (1 - w)).
+    assert (Hi : i * (1 - w) = 1) by (unfold i; field; lra).
+    assert (Hi0 : 0 < i) by (unfold i; apply Rinv_0_lt_compat; lra).
+    assert (Hi1 : i <= 200 / 199) by nra.
+    destruct (Rle_lt_dec 1 (2 * n)) as [H2n|H2n].
+    + assert (Hq : (1 + u) ^ 4 * (2 * n - 1) <= (1 + 7 * u) * (2 * n)) by nra.
+      assert (Hq2 : (1 + u) ^ 4 * (2 * n - 1) * i <= (1 + 7 * u) * (2 * n) * (200 / 199)).
+      { apply Rmult_le_compat; try nra. }
+      nra.
+    + assert ((1 + u) ^ 4 * (2 * n - 1) * i <= 0).
+      { assert (0 <= (1 + u) ^ 4 * (1 - 2 * n)) by nra. nra. }
+      lra.
+Qed.
+
+(** T8e, int8 path with one scale per token (k~ = m sc exactly, fast.core.attention applies
+    the scale to the dot product): x^ = fl(fl(fl(q . m) * sc) * s32). The relative part stays
+    inside the code's (D + 4) u 1.01; the absolute part is (2.02 D s sc + 1.01 s + 1) 2^-150. *)
+Theorem logit_rounding_le_code_f32_scaled choice q m t sc s s32 :
+  200 * (INR (dterms t) * u32) <= 1 -> 0 <= sc -> 0 <= s -> Rabs (s32 - s) <= u32 * s ->
+  Rabs (rn32 choice (rn32 choice (dcomp32 choice q m t * sc) * s32) - s * (sc * dexact q m t))
+  <= (INR (dterms t) + 4) * u32 * (101 / 100) * s * (sc * dabs q m t)
+     + ((202 / 100) * INR (dterms t) * s * sc + (101 / 100) * s + 1) * eta32.
+Proof.
+  intros Hn Hsc Hs Hs32.
+  destruct u32_small as [Hu Hu1].
+  assert (Hn0 := pos_INR (dterms t)).
+  destruct (code_factor_le_scaled u32 (INR (dterms t)) Hu Hu1 Hn0 Hn) as [Hrel [Habs Hsq]].
+  assert (Hd := abs_fdot_sub_le_f32 choice q m t ltac:(lra)).
+  assert (Ha := dabs_nonneg q m t). assert (HS := abs_dexact_le_dabs q m t).
+  rewrite u32_eq in Hs32.
+  assert (Hsc0 : Rabs (sc - sc) <= u_fmt 24 * sc).
+  { rewrite Rminus_diag_eq, Rabs_R0 by reflexivity. pose proof (u_fmt_pos 24). nra. }
+  assert (H1 := abs_rn_scaled_sub_le (-149) 24 prec32_gt_0 choice
+                  (dcomp32 choice q m t) (dexact q m t) sc sc _ _ Hsc Hsc0 Hd HS).
+  assert (HS1 : Rabs (sc * dexact q m t) <= sc * dabs q m t).
+  { rewrite Rabs_mult, Rabs_pos_eq by lra. apply Rmult_le_compat_l; lra. }
+  fold (rn32 choice (dcomp32 choice q m t * sc)) in H1.
+  assert (H2 := abs_rn_scaled_sub_le (-149) 24 prec32_gt_0 choice
+                  (rn32 choice (dcomp32 choice q m t * sc)) (sc * dexact q m t) s s32 _ _ Hs Hs32 H1 HS1).
+  fold (rn32 choice (rn32 choice (dcomp32 choice q m t * sc) * s32)) in H2.
+  rewrite <- u32_eq, <- eta32_eq in H2.
+  eapply Rle_trans; [exact H2|].
+  unfold gamma32 in *.
+  set (n := INR (dterms t)) in *. set (a := dabs q m t) in *.
+  assert (He : 0 < eta32) by (unfold eta32; apply Rinv_0_lt_compat; apply pow_lt; lra).
+  set (g := n * u32 / (1 - n * u32)) in *.
+  set (h := (2 * n - 1) * eta32 / (1 - n * u32)).
+  assert (Hh : (1 + u32) ^ 4 * (s * sc) * h <= (202 / 100) * n * s * sc * eta32).
+  { unfold h. replace ((1 + u32) ^ 4 * (s * sc) * ((2 * n - 1) * eta32 / (1 - n * u32)))
+      with ((1 + u32) ^ 4 * (2 * n - 1) / (1 - n * u32) * (s * sc * eta32)) by (field; lra).
+    replace ((202 / 100) * n * s * sc * eta32) with ((202 / 100) * n * (s * sc * eta32)) by field.
+    apply Rmult_le_compat_r; [|lra]. apply Rmult_le_pos; [apply Rmult_le_pos|]; lra. }
+  assert (Hg : ((1 + u32) ^ 4 * g + ((1 + u32) ^ 2 + 1) * (2 * u32 + u32 ^ 2)) * (s * sc * a)
+               <= (n + 4) * u32 * (101 / 100) * (s * sc * a)).
+  { apply Rmult_le_compat_r; [|lra]. apply Rmult_le_pos; [apply Rmult_le_pos|]; lra. }
+  assert (Hs2 : (1 + u32) ^ 2 * s * eta32 <= (101 / 100) * s * eta32).
+  { replace ((1 + u32) ^ 2 * s * eta32) with ((1 + u32) ^ 2 * (s * eta32)) by ring.
+    replace ((101 / 100) * s * eta32) with ((101 / 100) * (s * eta32)) by field.
+    apply Rmult_le_compat_r; [apply Rmult_le_pos|]; lra. }
+  replace ((1 + u32) ^ 2 * s * ((1 + u32) ^ 2 * sc * (g * a + h) + (2 * u32 + u32 ^ 2) * sc * a + eta32)
+           + (2 * u32 + u32 ^ 2) * s * (sc * a) + eta32)
+    with (((1 + u32) ^ 4 * g + ((1 + u32) ^ 2 + 1) * (2 * u32 + u32 ^ 2)) * (s * sc * a)
+          + (1 + u32) ^ 4 * (s * sc) * h + (1 + u32) ^ 2 * s * eta32 + eta32) by ring.
+  replace ((n + 4) * u32 * (101 / 100) * s * (sc * a)
+           + ((202 / 100) * n * s * sc + (101 / 100) * s + 1) * eta32)
+    with ((n + 4) * u32 * (101 / 100) * (s * sc * a) + (202 / 100) * n * s * sc * eta32
+          + (101 / 100) * s * eta32 + eta32) by field.
+  lra.
+Qed.

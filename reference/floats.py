@@ -91,13 +91,16 @@ def fdot(q, k, fmt="fp32", fma=False):
         return acc
 
 
-def logit_rounding_bound(q, k, scale):
+def logit_rounding_bound(q, k, scale, code_scale=None):
     """FloatDot.v logit_rounding_le_code_f32 (spec T8e): an upper bound on |x^ - s <q, k>| for
     the fp32 logit x^ = fl(fl(q . k) * fl32(s)), any summation order, FMA or not, D terms:
         (D + 4) u32 1.01 s sum |q_i k_i|  +  (2.02 D s + 1) 2^-150.
     The first term is the code's e (fast.core.certify.logit_rounding); the second, for
     products below the normal range, is not in it. Returns (relative part, absolute part),
-    each an interval upper end."""
+    each an interval upper end.
+    code_scale = sc (logit_rounding_le_code_f32_scaled): k are the int8 codes m, k~ = m sc, and
+    x^ = fl(fl(fl(q . m) sc) s32): relative (D + 4) u32 1.01 s sc sum |q_i m_i|, absolute
+    (2.02 D s sc + 1.01 s + 1) 2^-150."""
     D = len(q)
     if len(k) != D or not 200 * D * mpf(2) ** -24 <= 1:
         raise ValueError(f"logit_rounding_bound: need len(q) == len(k) <= 83886 (got {D}, {len(k)})")
@@ -109,8 +112,13 @@ def logit_rounding_bound(q, k, scale):
         for a, b in zip(q, k):
             total += abs(iv.mpf(mpf(a)) * iv.mpf(mpf(b)))
         u = iv.mpf(2) ** -24
-        rel = (D + 4) * u * iv.mpf("1.01") * s * total
-        absolute = (iv.mpf("2.02") * D * s + 1) * iv.mpf(2) ** -150
+        if code_scale is None:
+            rel = (D + 4) * u * iv.mpf("1.01") * s * total
+            absolute = (iv.mpf("2.02") * D * s + 1) * iv.mpf(2) ** -150
+        else:
+            sc = iv.mpf(mpf(code_scale))
+            rel = (D + 4) * u * iv.mpf("1.01") * s * sc * total
+            absolute = (iv.mpf("2.02") * D * s * sc + iv.mpf("1.01") * s + 1) * iv.mpf(2) ** -150
         return rel.b, absolute.b
 
 
