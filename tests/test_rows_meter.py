@@ -144,3 +144,16 @@ def test_decode_output_bound(model, scheme, gate, offload):
     L, Hkv = model.config.num_hidden_layers, model.config.num_key_value_heads
     extra = cache.memory()["device_bytes"] - plain.memory()["device_bytes"]
     assert extra == 4 * L * Hkv * cache.layers[0].nq
+
+
+def test_rows_uncertified_baseline_matches(model):
+    """certify=False (the speed baseline) serves the same multi-row output as the certified path."""
+    ids = tiny_ids(1, 50, seed=5)
+    outs = []
+    for certify in (True, False):
+        cache = CertifiedCache(model.config, "int8", sinks=0, window=0, certify=certify)
+        with torch.no_grad():
+            model(ids[:, :30], past_key_values=cache, use_cache=True)
+            outs.append(model(ids[:, 30:], past_key_values=cache, use_cache=True).logits)
+        assert len(cache.row_records) == (model.config.num_hidden_layers if certify else 0)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)  # fp32 both; different matmul order
