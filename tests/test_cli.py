@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -278,6 +279,9 @@ def test_out_written_whole_or_not_at_all(tmp_path, prompt, capsys, fake_pipeline
     assert main(["run", "--prompt-file", str(prompt), "--out", str(out)]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["bound_heatmap.png", "head_profile.png", "trace.json", "trace.npz"]
     assert sorted(p.name for p in out.parent.iterdir()) == ["run"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask      # as mkdir would make it, not mkdtemp's 0700
     (out / "trace.json").write_text("{}")
     assert main(["run", "--prompt-file", str(prompt), "--out", str(out)]) == 0   # a trace directory: replaced
     assert json.loads((out / "trace.json").read_text())["answer"] == "Rome"
@@ -362,6 +366,9 @@ def test_bad_calibrate_page_files(tmp_path, capsys, monkeypatch):
     assert "empty" in one_line_error(capsys, ["calibrate-page", "--prompts", str(tmp_path / "empty.txt")])
     assert "UTF-8" in one_line_error(capsys, ["calibrate-page", "--prompts", str(tmp_path / "bin.txt")])
     assert "is a directory" in one_line_error(capsys, ["calibrate-page", "--out", str(tmp_path)])
+    (tmp_path / "notes.json").write_text('{"keep": "me"}')
+    assert "not a calibration file" in one_line_error(capsys, ["calibrate-page", "--out", str(tmp_path / "notes.json")])
+    assert (tmp_path / "notes.json").read_text() == '{"keep": "me"}'
     assert "not a directory" in one_line_error(capsys, ["calibrate-page", "--out", str(tmp_path / "empty.txt" / "p.json")])
 
 

@@ -116,6 +116,24 @@ def calibrate_page_main(argv=None):
     except UsageError as e:
         print(f"kvcert: error: {one_line(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("kvcert: interrupted (nothing written)", file=sys.stderr)
+        return 130
+
+
+def _check_calibration_out(path):
+    """--out: writable, and if it exists, an earlier calibration file (it is replaced, never another file)."""
+    p = check_out_file(path)
+    if p.exists():
+        try:
+            doc = json.loads(p.read_bytes())
+            ours = isinstance(doc, dict) and "tau" in doc and "drops" in doc
+        except (OSError, ValueError, RecursionError):
+            ours = False
+        if not ours:
+            raise UsageError(f"--out {path}: exists and is not a calibration file of kvcert calibrate-page; "
+                             "give a new file name")
+    return p
 
 
 def _calibrate_page(argv):
@@ -140,7 +158,7 @@ def _calibrate_page(argv):
     if not 1 <= args.tokens <= limit:
         raise UsageError(f"--tokens must lie in [64, {limit}] (the model's context), got {args.tokens}")
     text = read_prompt(args.prompts, "--prompts file") if args.prompts is not None else None
-    check_out_file(args.out)
+    _check_calibration_out(args.out)
     from tqdm import tqdm
     from fast.integrations.model import ModelMissing, load_smollm2
     try:

@@ -140,6 +140,13 @@ def check_out_file(path, flag="--out"):
     return p
 
 
+def usual_mode(path, base):
+    """mkdtemp / mkstemp make 0700 / 0600: give path the mode mkdir / open would (base & ~umask)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, base & ~umask)
+
+
 @contextmanager
 def staged(path, flag="--out"):
     """Yield a fresh temp directory next to `path`; on success it replaces `path` (an existing
@@ -149,6 +156,7 @@ def staged(path, flag="--out"):
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        usual_mode(tmp, 0o777)
     except OSError as e:
         raise UsageError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
     try:
@@ -175,6 +183,7 @@ def write_file_atomic(path, text, flag="--out"):
         p.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.tmp-", dir=p.parent)
         try:
+            usual_mode(tmp, 0o666)
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)
             os.replace(tmp, p)

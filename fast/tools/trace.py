@@ -320,10 +320,12 @@ def check(tr, where="trace"):
 def _savefig(fig, path):
     """fig as PNG at path, written to a temp file renamed into place (never a half-written image); closes fig."""
     import matplotlib.pyplot as plt
+    from fast.tools.inputs import usual_mode
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         os.close(fd)
         try:
+            usual_mode(tmp, 0o666)
             fig.savefig(tmp, dpi=100, format="png")
             os.replace(tmp, path)
         except BaseException:
