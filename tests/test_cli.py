@@ -79,6 +79,12 @@ def test_module_entry_point_errors_without_traceback(prompt):
                        capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and "unknown scheme" in r.stderr and "Traceback" not in r.stderr
+    # an argparse error (usage block and SystemExit in plain argparse) and calibrate-page's own entry point
+    for argv in (["fast.tools.cli", "run", "--max-new-tokens", "x", "--prompt-file", str(prompt)],
+                 ["fast.tools.evict_cli", "--budget", "abc"]):
+        r = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert r.returncode == 2 and r.stdout == "", (argv, r.stderr)
+        assert r.stderr.startswith("kvcert: error:") and r.stderr.strip().count("\n") == 0, (argv, r.stderr)
 
 
 # ---- bad input (issue 8): one line, exit 2, before the model loads, nothing written ----
