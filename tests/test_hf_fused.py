@@ -20,17 +20,18 @@ def _run(cache_cls, attn, ids, steps, **kw):
     cache = cache_cls(model.config, "int8", **kw)
     logits = []
     with torch.no_grad():
-        out = model(input_ids=ids, cache=cache, use_cache=True)
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
         logits.append(out.logits[:, -1])
         for t in range(steps):
             hf_meter.set_current(None)
             nxt = ids[:, t % ids.shape[1]][:, None]
-            out = model(input_ids=nxt, cache=cache, use_cache=True)
+            out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
             logits.append(out.logits[:, -1])
     return torch.stack(logits), cache
 
 
-def test_decode_matches_meter():
+def test_decode_matches_meter(monkeypatch):
+    monkeypatch.setattr(hf_fused, "FLUSH_BLOCK", 1)  # the meter's cache flushes every step: same contents
     ids = tiny_ids(B=2, N=60)
     ref_logits, ref_cache = _run(CertifiedCache, "kvcert", ids, 6, window=8, sinks=4)
     fus_logits, fus_cache = _run(hf_fused.FusedCertifiedCache, hf_fused.NAME, ids, 6, window=8, sinks=4)
@@ -52,10 +53,18 @@ def test_second_turn_rows():
     model = tiny_llama(attn=hf_fused.NAME)
     cache = hf_fused.FusedCertifiedCache(model.config, "int8", window=4, sinks=2)
     with torch.no_grad():
-        model(input_ids=ids, cache=cache, use_cache=True)
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
         hf_meter.set_current(None)
-        model(input_ids=ids[:, :5], cache=cache, use_cache=True)
+        model(input_ids=ids[:, :5], past_key_values=cache, use_cache=True)
     assert cache.fused_reads == 2
     rec = cache.records[-1]
     assert rec["rows"] == 5 and tuple(rec["rows_min"].shape) == (1, 5, 4)
     assert bool((rec["rows_min"] >= 0).all()) and bool((rec["rows_min"] <= 1).all())
+
+
+def test_block_flush_keeps_the_window_exact():
+    ids = tiny_ids(B=1, N=70)
+    _, cache = _run(hf_fused.FusedCertifiedCache, hf_fused.NAME, ids, 40, window=8, sinks=4)
+    for layer in cache.layers:
+        assert 8 <= layer.k_tail.shape[2] < 8 + hf_fused.FLUSH_BLOCK
+        assert layer.n == 70 + 40

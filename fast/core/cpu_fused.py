@@ -79,8 +79,8 @@ import numpy as np
 import torch
 
 from fast.core import _checks
-from fast.core.certify import CMAX32, U32, U64, _up, forms_from_pmz, gamma, logit_rounding_np
-from fast.core.quant import CODE_MAX, QTensor
+from fast.core.certify import CMAX32, U32, U64, _up, forms_from_pmz, gamma
+from fast.core.quant import QTensor
 
 SRC = Path(__file__).resolve().parent / "csrc" / "cpu_fused.cpp"
 FLAGS = ["-O3", "-g", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp", "-fopenmp-simd", "-fPIC", "-shared", "-std=c++17"]
@@ -105,8 +105,8 @@ class _Seg(ctypes.Structure):
 class _Args(ctypes.Structure):
     _fields_ = [("B", ctypes.c_int64), ("T", ctypes.c_int64), ("H", ctypes.c_int64), ("Hkv", ctypes.c_int64),
                 ("D", ctypes.c_int64), ("NB", ctypes.c_int64), ("ngk", ctypes.c_int64), ("ngv", ctypes.c_int64),
-                ("s", ctypes.c_float), ("q", ctypes.c_void_p), ("qpos", ctypes.c_void_p), ("kappa", ctypes.c_void_p),
-                ("lut", ctypes.c_void_p), ("seg", _Seg * 2), ("out", ctypes.c_void_p), ("stats", ctypes.c_void_p),
+                ("s", ctypes.c_float), ("q", ctypes.c_void_p), ("qpos", ctypes.c_void_p), ("bands", ctypes.c_void_p),
+                ("W", ctypes.c_int64), ("band_margin", ctypes.c_double), ("e_coef", ctypes.c_double), ("lut", ctypes.c_void_p), ("seg", _Seg * 2), ("out", ctypes.c_void_p), ("stats", ctypes.c_void_p),
                 ("kmax", ctypes.c_void_p), ("nanflag", ctypes.c_void_p), ("certify", ctypes.c_int),
                 ("threads", ctypes.c_int), ("chunk", ctypes.c_int64)]
 
@@ -176,16 +176,6 @@ def exp_one(x):
 
 # ---- the certificate epilogue ----
 
-def _kappa32(q64, bands, s):
-    """kappa [B, T, H, NB] fp32 >= s ||q_b|| (and >= KAPPA_MIN), from q64 [B, T, H, D] numpy fp64."""
-    NB, W = bands.shape
-    qb = q64[..., bands]  # [B, T, H, NB, W]
-    norms = _up(np.sqrt((qb * qb).sum(-1)) * (1 + 2 * gamma(W + 4)))  # as certify.band_norms_up
-    k64 = np.maximum(_up(norms * s), KAPPA_MIN)
-    k32 = k64.astype(np.float32)
-    return np.where(k32 < k64, np.nextafter(k32, np.float32(np.inf)), k32)
-
-
 def _sums_to_pmz(stats, NB, N):
     """[3, R, H] fp64 (Z, P up, M up) and cm [R, H] fp64 from the kernel stats [R, H, 4] (module doc)."""
     z, s1, s2, cmc = (stats[..., i] for i in range(4))
@@ -208,44 +198,45 @@ def _sums_to_pmz(stats, NB, N):
     return np.stack([z, p, m]), cm
 
 
-def _run(q, qpos, segs, s, bands, NB, ngk, ngv, certify, lut=None):
-    """Call the kernel. q [B, T, H, D] fp32 contiguous; qpos [B, T] int32; segs: two dicts of
-    tensors (see _seg). Returns out [B, T, H, D], stats [B, T, H, 4] fp64, kmax [B, Hkv, 2, D]."""
+def _run(q, qpos, segs, s, bands, ngk, ngv, certify, lut=None):
+    """Call the kernel. q [B, T, H, D] fp32 contiguous; qpos [B, T] int32; segs: two results of seg();
+    bands [NB, W] int64 contiguous. Returns out [B, T, H, D] fp32, stats [B, T, H, 5] fp64
+    (Z, S1, S2, max c^, e). NaN/Inf: ValueError."""
     B, T, H, D = q.shape
-    Hkv = segs[0]["Hkv"]
+    NB, W = bands.shape
     out = torch.empty(B, T, H, D, dtype=torch.float32)
-    stats = torch.empty(B, T, H, 4, dtype=torch.float64)
-    kmax = torch.empty(B, Hkv, 2, D, dtype=torch.float32)
-    nan = torch.zeros(1, dtype=torch.float32)
-    a = _Args(B, T, H, Hkv, D, NB, ngk, ngv, s, q.data_ptr(), qpos.data_ptr(), 0, 0)
-    keep = []
-    if certify:
-        q64 = q.to(torch.float64).numpy()
-        kappa = torch.from_numpy(np.ascontiguousarray(_kappa32(q64, bands.numpy(), s)))
-        keep.append(kappa)
-        a.kappa = kappa.data_ptr()
-        if lut is not None:
-            a.lut = lut.data_ptr()
-    for i, sg in enumerate(segs):
-        a.seg[i] = sg["c"]
-    a.out, a.stats, a.kmax, a.nanflag = out.data_ptr(), stats.data_ptr(), kmax.data_ptr(), nan.data_ptr()
+    stats = torch.empty(B, T, H, 5, dtype=torch.float64)
+    scratch = torch.empty(2, segs[0]["Hkv"] * B, 2, D, dtype=torch.float32)  # kmax, nan flags
+    a = _Args(B, T, H, segs[0]["Hkv"], D, NB, ngk, ngv, s, q.data_ptr(), qpos.data_ptr(), bands.data_ptr(), W,
+              _band_margin(W), (D + 4) * U32 * 1.01, 0 if lut is None else lut.data_ptr())
+    a.seg[0], a.seg[1] = segs[0]["c"], segs[1]["c"]
+    a.out, a.stats, a.kmax, a.nanflag = out.data_ptr(), stats.data_ptr(), scratch[0].data_ptr(), scratch[1].data_ptr()
     a.certify, a.threads, a.chunk = int(certify), torch.get_num_threads(), CHUNK
     _lib().kvcert_fused_run(ctypes.byref(a))
-    if not math.isfinite(float(nan)):
-        raise ValueError("k or q: non-finite logits (NaN/Inf in the key cache or its scales, or logits overflow fp32)")
-    if not bool(torch.isfinite(out).all()):
+    nan_k, nan_v = scratch[1].view(-1)[:2].tolist()
+    if not math.isfinite(nan_k):
+        raise ValueError("k or q: non-finite logits (NaN/Inf in q, the key cache or its scales, or logits overflow fp32)")
+    if not math.isfinite(nan_v):
         raise ValueError("v: NaN/Inf in the value cache")
-    return out, stats, kmax, (q64 if certify else None)
+    return out, stats
 
 
-def _certificate(q64, stats, kmax, s, NB, N, D, Hkv):
-    """The fp32 certificate dict [B, T, H] (fast.core.certify.forms_from_pmz), or None when a row
-    needs the twin's fp64 terms (max c_eff > CMAX32)."""
-    B, T, H, _ = q64.shape
-    km = kmax.to(torch.float64).numpy()
-    kmax64 = np.maximum(km[:, :, 0] * CODE_MAX["int8"] * (1 + 2.0 ** -23), km[:, :, 1])  # [B, Hkv, D]
-    e = logit_rounding_np(q64.reshape(B * T, H, D), np.repeat(kmax64, T, axis=0), s)  # [B T, H]
-    sums, cm = _sums_to_pmz(stats.numpy().reshape(B * T, H, 4), NB, N)
+_MARGIN = {}
+
+
+def _band_margin(W):
+    if W not in _MARGIN:
+        _MARGIN[W] = 1 + 2 * gamma(W + 4)  # as fast.core.certify.band_norms_up
+    return _MARGIN[W]
+
+
+def _certificate(stats, NB, N, D):
+    """The fp32 certificate dict [B, T, H] from the kernel stats [B, T, H, 5]
+    (fast.core.certify.forms_from_pmz), or None when a row needs the twin's fp64 terms."""
+    B, T, H, _ = stats.shape
+    st = stats.numpy().reshape(B * T, H, 5)
+    e = st[..., 4]
+    sums, cm = _sums_to_pmz(st[..., :4], NB, N)
     if float(cm.max()) + 2 * float(e.max()) >= CMAX32:
         return None
     cert = forms_from_pmz(torch.from_numpy(sums), torch.from_numpy(cm), e, N, D, torch.float32)
@@ -358,10 +349,10 @@ def attention_rows(q, k, v, rho, scale, *, bands, q_pos, k_pos=None, valid=None,
     s0 = seg(Hkv, N, k=kc, v=vc, k_scales=ks, v_scales=vs, rho=rho, valid=va, exact=u8(exact), pos=pos)
     s1 = seg(Hkv, 0)
     qf = q.to(torch.float32).contiguous()
-    out, stats, kmax, q64 = _run(qf, q_pos.to(torch.int32).contiguous(), [s0, s1], s, bands.cpu(), NB, ngk, ngv, certify, lut)
+    out, stats = _run(qf, q_pos.to(torch.int32).contiguous(), [s0, s1], s, bands.cpu().contiguous(), ngk, ngv, certify, lut)
     if not certify:
         return out, None
-    cert = _certificate(q64, stats, kmax, s, NB, N, D, Hkv)
+    cert = _certificate(stats, NB, N, D)
     if cert is None:  # a row with a large witness: the twin's fp64 terms
         return ref.attention_rows(q, k, v, rho, scale, bands=bands, q_pos=q_pos, k_pos=k_pos, valid=valid,
                                   exact=exact, certify=True, backend="torch")

@@ -11,6 +11,8 @@ What changes against CertifiedCache + the "kvcert" meter (fast.integrations.hf_m
   the quantized part (segment 0), and the exact overlay (sinks) + exact tail (segment 1, fp32).
 - Every query row with a cache behind it goes through the kernel: decode (T = 1) and multi-token
   reads (a second turn, chunked prefill: row t at storage position n - T + t, causal).
+- Window leavers are quantized in blocks of FLUSH_BLOCK (one quantize + witness call per 32 steps
+  and layer, not one per step); the tail holds window .. window + 31 exact tokens.
 - The certificate epilogue (fast.core.cpu_fused._certificate, numpy) runs once per step for all
   layers, after the last one: cache.records gets one record per (step, layer) as with the meter.
 Falls back to the meter (hf_meter.kvcert_attention, the served fp32 copy) where the kernel does
@@ -38,7 +40,26 @@ def enable(model):
     return model
 
 
+FLUSH_BLOCK = 32  # tail tokens quantized together once the tail exceeds window + FLUSH_BLOCK
+
+
+_POS = [torch.zeros(0, dtype=torch.int32)]
+
+
+def _positions(n):
+    """arange(n) int32, a view of one growing buffer (no per-step allocation)."""
+    if _POS[0].shape[0] < n:
+        _POS[0] = torch.arange(max(n, 2 * _POS[0].shape[0], 1024), dtype=torch.int32)
+    return _POS[0][:n]
+
+
 class FusedLayer(CertifiedLayer):
+    def _flush(self, everything=False):
+        """Quantize window leavers in blocks of FLUSH_BLOCK tokens, not one per step: the tail keeps
+        between `window` and `window + FLUSH_BLOCK` exact tokens (never fewer than the meter's)."""
+        if everything or self.k_tail.shape[2] >= self.cache.window + FLUSH_BLOCK:
+            super()._flush(everything)
+
     def fused_ok(self):
         c = self.cache
         return (c.scheme.name == "int8" and c.gate.kind == "none" and not c.shadow and self.dtype == torch.float32
@@ -55,36 +76,43 @@ class FusedLayer(CertifiedLayer):
         u8 = torch.uint8
         va = self.valid.view(u8)  # [B, Hkv, N], bool as bytes (no copy)
         E = self.ex_idx.shape[2]
-        on = self.ex_on
-        if E:
-            in_q = self.ex_idx < nq  # overlay tokens still in the tail are read from the tail
-            on = on & in_q & self.valid.gather(2, self.ex_idx)
-        if nq:
-            kq, vq = self.kq.qt, self.vq.qt
-            vq0 = va[:, :, :nq]
-            if E:  # overlay tokens: their exact rows (segment 1) replace the codes
-                drop = torch.zeros(B, Hkv, nq + 1, dtype=u8)
-                drop.scatter_(2, torch.where(on & in_q, self.ex_idx, nq), 1)
-                vq0 = vq0 & (1 - drop[:, :, :nq])
-            rho = self.rho_codes
-            if self.derived:
-                from fast.core.witness import witness_from_step
-                rho = witness_from_step(kq.step(), self.cache.bands)
-            s0 = cpu_fused.seg(Hkv, nq, k=kq.codes, v=vq.codes, k_scales=kq.scales.view(torch.int16),
-                               v_scales=vq.scales.view(torch.int16), rho=rho if self.cache.certify else None, valid=vq0)
-            ng = (kq.scales.shape[-1], vq.scales.shape[-1])
+        key0 = (nq, E, self.kq.f["codes"].buf.data_ptr() if nq else 0, self.cache.certify, self.valid.data_ptr(),
+                self.valid._version, self.ex_idx.data_ptr())
+        if getattr(self, "_seg0", (None,))[0] == key0 and not self.derived:
+            s0, ng, on_u8, ex_pos = self._seg0[1]  # the quantized part changes only when a block is flushed
         else:
-            s0, ng = cpu_fused.seg(Hkv, 0), (1, 1)
+            on = self.ex_on
+            if E:
+                in_q = self.ex_idx < nq  # overlay tokens still in the tail are read from the tail
+                on = on & in_q & self.valid.gather(2, self.ex_idx)
+            on_u8, ex_pos = on.view(u8).contiguous(), self.ex_idx.to(torch.int32)
+            if nq:
+                kq, vq = self.kq.qt, self.vq.qt
+                vq0 = va[:, :, :nq]
+                if E:  # overlay tokens: their exact rows (segment 1) replace the codes
+                    drop = torch.zeros(B, Hkv, nq + 1, dtype=u8)
+                    drop.scatter_(2, torch.where(on, self.ex_idx, nq), 1)
+                    vq0 = vq0 & (1 - drop[:, :, :nq])
+                rho = self.rho_codes
+                if self.derived:
+                    from fast.core.witness import witness_from_step
+                    rho = witness_from_step(kq.step(), self.cache.bands)
+                s0 = cpu_fused.seg(Hkv, nq, k=kq.codes, v=vq.codes, k_scales=kq.scales.view(torch.int16),
+                                   v_scales=vq.scales.view(torch.int16), rho=rho if self.cache.certify else None, valid=vq0)
+                ng = (kq.scales.shape[-1], vq.scales.shape[-1])
+            else:
+                s0, ng = cpu_fused.seg(Hkv, 0), (1, 1)
+            self._seg0 = (key0, (s0, ng, on_u8, ex_pos))
         R = self.k_tail.shape[2]
-        tail_pos = torch.arange(nq, nq + R, dtype=torch.int32).view(1, 1, R).expand(B, Hkv, R)
+        tail_pos = _positions(nq + R)[nq:].view(1, 1, R).expand(B, Hkv, R)
         if E:
             k1 = torch.cat([self.ex_k, self.k_tail], 2)
             v1 = torch.cat([self.ex_v, self.v_tail], 2)
-            pos = torch.cat([self.ex_idx.to(torch.int32), tail_pos], 2)
-            val = torch.cat([on.view(u8), va[:, :, nq:]], 2)
+            pos = torch.cat([ex_pos, tail_pos], 2)
+            val = torch.cat([on_u8, va[:, :, nq:]], 2)
         else:
-            k1, v1, pos, val = self.k_tail, self.v_tail, tail_pos.contiguous(), va[:, :, nq:]
-        s1 = cpu_fused.seg(Hkv, k1.shape[2], k=k1, v=v1, valid=val.contiguous(), pos=pos.contiguous())
+            k1, v1, pos, val = self.k_tail, self.v_tail, tail_pos.contiguous(), va[:, :, nq:].contiguous()
+        s1 = cpu_fused.seg(Hkv, k1.shape[2], k=k1, v=v1, valid=val, pos=pos)
         return [s0, s1], ng
 
 
@@ -102,22 +130,25 @@ def fused_read(layer, query, scale):
     """query [B, H, T, D] (post-RoPE) over the layer's cache; returns [B, T, H, D] in query's dtype."""
     cache = layer.cache
     B, H, T, D = query.shape
-    q = query.transpose(1, 2).to(torch.float32).contiguous()  # [B, T, H, D]
-    if not bool(torch.isfinite(q).all()):
-        raise ValueError("q: NaN/Inf")
+    q = query.transpose(1, 2).to(torch.float32).contiguous()  # [B, T, H, D]; NaN/Inf: the kernel's flag
     n = layer.n
     qpos = torch.arange(n - T, n, dtype=torch.int32).view(1, T).expand(B, T).contiguous()
     segs, (ngk, ngv) = layer.segments()
-    bands = cache.bands
     lut = _lut() if layer.rho_codes is not None and not layer.derived else None
-    out, stats, kmax, q64 = cpu_fused._run(q, qpos, segs, float(scale), bands, bands.shape[0], ngk, ngv,
-                                           cache.certify, lut)
+    out, stats = cpu_fused._run(q, qpos, segs, float(scale), _bands(cache), ngk, ngv, cache.certify, lut)
     cache.fused_reads += 1
     if cache.certify:
-        cache._pending.append((layer, q64, stats, kmax, n))
+        cache._pending.append((layer, stats, n, q))
         if layer.layer_idx == cache.num_layers - 1:
             flush_certificates(cache)
     return out.to(query.dtype)
+
+
+def _bands(cache):
+    b = getattr(cache, "_bands64", None)
+    if b is None:
+        b = cache._bands64 = cache.bands.to(torch.int64).contiguous()
+    return b
 
 
 _LUT = []
@@ -131,37 +162,27 @@ def _lut():
 
 
 def flush_certificates(cache):
-    """The certificate epilogue of every pending read in one batch (same N and shapes: one step)."""
+    """The certificate epilogue of every pending read in one batch (one step: same N and shapes)."""
     pend, cache._pending = cache._pending, []
-    if not pend:
-        return
     groups = {}
     for item in pend:
-        groups.setdefault((item[4], item[1].shape), []).append(item)
-    D = cache.head_dim
-    NB = cache.bands.shape[0]
+        groups.setdefault((item[2], tuple(item[1].shape)), []).append(item)
+    NB, D = cache.bands.shape[0], cache.head_dim
     for (N, shape), items in groups.items():
-        B, T, H, _ = shape
-        q64 = np.concatenate([it[1] for it in items])
-        stats = torch.cat([it[2] for it in items])
-        kmax = torch.cat([it[3] for it in items])
-        cert = cpu_fused._certificate(q64, stats, kmax, float(_scale(cache)), NB, N, D, kmax.shape[1])
-        for i, (layer, *_rest) in enumerate(items):
-            if cert is None:  # a row with a large witness: the twin, on the served copy of this layer
-                c = _twin_cert(layer, _rest[0], N)
-            else:
-                c = {k: v[i * B:(i + 1) * B] for k, v in cert.items()}
-            _record(layer, c, T)
+        B = shape[0]
+        cert = cpu_fused._certificate(torch.cat([it[1] for it in items]), NB, N, D)
+        for i, (layer, _, _, q) in enumerate(items):
+            c = _twin_cert(layer, q, N) if cert is None else {k: v[i * B:(i + 1) * B] for k, v in cert.items()}
+            _record(layer, c, shape[1])
 
 
 def _scale(cache):
     return cache.scale if getattr(cache, "scale", None) is not None else cache.head_dim ** -0.5
 
 
-def _twin_cert(layer, q64, N):
+def _twin_cert(layer, q, N):
     k, v = CertifiedLayer.served(layer)
     rho, exact = layer.witness_codes()
-    q = torch.from_numpy(q64).to(torch.float32)
     B, T = q.shape[:2]
     qpos = torch.arange(N - T, N).view(1, T).expand(B, T)
     valid = layer.valid.all(1)

@@ -92,13 +92,16 @@ struct Args {
     float s;
     const float* q;       // [B, T, H, D]
     const int32_t* qpos;  // [B, T]
-    const float* kappa;   // [B, T, H, NB] (null when certify = 0)
-    const float* lut;     // [256]
+    const int64_t* bands;  // [NB, W] coordinate indices of each band
+    int64_t W;
+    double band_margin;    // 1 + 2 gamma_{W+4} (u64): fast.core.certify.band_norms_up
+    double e_coef;         // (D + 4) u32 1.01: fast.core.certify.logit_rounding
+    const float* lut;      // [256]
     Seg seg[2];           // 0: quantized, 1: exact fp32
     float* out;           // [B, T, H, D]
-    double* stats;        // [B, T, H, 4]: Z, S1, S2, max c
+    double* stats;        // [B, T, H, 5]: Z, S1, S2, max c, e (logit rounding bound)
     float* kmax;          // [B, Hkv, 2, D]: per channel max fp16 scale (codes), max |k| (fp32 rows)
-    float* nanflag;       // [1]: NaN when a logit is not finite
+    float* nanflag;       // [2]: NaN when a logit (q, k) / an output (v) is not finite
     int certify;
     int threads;
     int64_t chunk;
@@ -134,6 +137,31 @@ void run(const Args& a) {
     float* PKMAX = pkmax.data();
     float* PNAN = pnan.data();
     const int64_t gk = D / a.ngk, gv = D / a.ngv;
+    static thread_local std::vector<float> kappa_buf;
+    kappa_buf.resize((size_t)(B * T * H * NB));
+    float* KAPPA = kappa_buf.data();
+    float nan_q = 0.0f;
+    if (a.certify) {
+        // kappa_b >= s ||q_b||, as fast.core.certify.band_norms_up: squares exact in fp64, the W-term
+        // sum and sqrt within gamma_{W+4}, times band_margin, one ulp up; times s, one ulp up;
+        // at least 2^-60; cast to fp32 rounded up.
+        for (int64_t i = 0; i < B * T * H; ++i) {
+            const float* qq = a.q + i * D;
+            for (int64_t k = 0; k < NB; ++k) {
+                double ss = 0.0;
+                for (int64_t w = 0; w < a.W; ++w) {
+                    const double x = (double)qq[a.bands[k * a.W + w]];
+                    ss += x * x;
+                }
+                double nrm = std::nextafter(std::sqrt(ss) * a.band_margin, INFINITY);
+                double k64 = std::max(std::nextafter(nrm * (double)a.s, INFINITY), 0x1p-60);
+                float k32 = (float)k64;
+                if ((double)k32 < k64) k32 = std::nextafter(k32, INFINITY);
+                KAPPA[i * NB + k] = k32;
+                nan_q += k32 * 0.0f;
+            }
+        }
+    }
 
     // ---- pass 1: logits (reads the key codes once) ----
 #pragma omp parallel for schedule(static) num_threads(a.threads)
@@ -243,7 +271,7 @@ void run(const Args& a) {
             }
             for (int64_t r = 0; r < R; ++r) {
                 const int64_t t = r / G, hq = h * G + r % G;
-                const float* kap = a.kappa + ((b * T + t) * H + hq) * NB;
+                const float* kap = KAPPA + ((b * T + t) * H + hq) * NB;
                 float* cr = &cj[0];
                 // c_j = fl(sum_b kappa_b rho_jb), fma in band order b = 0..NB-1
                 std::fill(cr, cr + L, 0.0f);
@@ -309,9 +337,9 @@ void run(const Args& a) {
     }
 
     // ---- reduce the chunks (fixed order) ----
-    float nan_all = 0.0f;
+    float nan_all = nan_q;
     for (int64_t it = 0; it < items; ++it) nan_all += PNAN[it];
-    a.nanflag[0] = nan_all;
+    float nan_out = 0.0f;
     for (int64_t b = 0; b < B; ++b) {
         for (int64_t h = 0; h < Hkv; ++h) {
             float* km = a.kmax + (b * Hkv + h) * 2 * D;
@@ -333,12 +361,28 @@ void run(const Args& a) {
                     for (int64_t d = 0; d < D; ++d) o[d] += po[d];
                 }
                 const float zf = (float)z;
-                for (int64_t d = 0; d < D; ++d) o[d] = o[d] / zf;
-                double* st = a.stats + ((b * T + t) * H + hq) * 4;
+                float bad = 0.0f;
+                for (int64_t d = 0; d < D; ++d) {
+                    o[d] = o[d] / zf;
+                    bad += o[d] * 0.0f;
+                }
+                nan_out += bad;
+                // e >= |x^_j - s <q, k~_j>| (fast.core.certify.logit_rounding): s (D + 4) u32 1.01 sum_i |q_i| kmax_i,
+                // kmax_i = max(127 (1 + 2^-23) max scale, max |k| of fp32 rows), fp64, last product one ulp up
+                const float* qq = a.q + ((b * T + t) * H + hq) * D;
+                double qk = 0.0;
+                for (int64_t d = 0; d < D; ++d) {
+                    const double kmx = std::max((double)km[d] * 127.0 * (1.0 + 0x1p-23), (double)km[D + d]);
+                    qk += std::fabs((double)qq[d]) * kmx;
+                }
+                double* st = a.stats + ((b * T + t) * H + hq) * 5;
                 st[0] = z; st[1] = s1; st[2] = s2; st[3] = cm;
+                st[4] = std::nextafter((double)a.s * qk * a.e_coef, INFINITY);
             }
         }
     }
+    a.nanflag[0] = nan_all;
+    a.nanflag[1] = nan_out;
 }
 
 }  // namespace
