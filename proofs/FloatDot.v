@@ -372,12 +372,15 @@ End Format.
 
 (** * Instances and the code's constant *)
 
-Lemma code_factor_le u n :
-  0 < u -> u <= / 1000000 -> 0 <= n -> 200 * (n * u) <= 1 ->
-  (1 + u) ^ 2 * (n * u / (1 - n * u)) + 2 * u + u ^ 2 <= (n + 4) * u * (101 / 100)
-  /\ (1 + u) ^ 2 * (2 * n - 1) / (1 - n * u) <= (202 / 100) * n.
+(** The constants of the code's e: with P <= 1 + 7u the amplification of the dot product's
+    error and Q <= 2 + 3u the count of later roundings, everything fits in (D + 4) u 1.01. *)
+Lemma code_factor_gen u n P Q :
+  0 < u -> u <= / 1000000 -> 0 <= n -> 200 * (n * u) <= 1 -> 1 <= P <= 1 + 7 * u ->
+  0 <= Q <= 2 + 3 * u ->
+  P * (n * u / (1 - n * u)) + Q * (2 * u + u ^ 2) <= (n + 4) * u * (101 / 100)
+  /\ P * (2 * n - 1) / (1 - n * u) <= (202 / 100) * n.
 Proof.
-  intros Hu Hu1 Hn Hw.
+  intros Hu Hu1 Hn Hw HP HQ.
   set (w := n * u) in *.
   assert (Hw0 : 0 <= w) by (unfold w; nra).
   assert (H1w : 199 / 200 <= 1 - w) by lra.
@@ -385,13 +388,12 @@ Proof.
   assert (Hg : g * (1 - w) = w) by (unfold g; field; lra).
   assert (Hg0 : 0 <= g) by (unfold g; apply Rmult_le_pos; [lra|left; apply Rinv_0_lt_compat; lra]).
   assert (Hgw : g <= w * (200 / 199)) by nra.
-  assert (Hsq : (1 + u) ^ 2 <= 1 + 3 * u) by nra.
-  assert (Hsq1 : 1 <= (1 + u) ^ 2) by nra.
   split.
-  - assert (Hp : (1 + u) ^ 2 * g <= (1 + 3 * u) * (w * (200 / 199))).
-    { apply Rmult_le_compat; nra. }
-    assert (Hp2 : (1 + 3 * u) * (w * (200 / 199)) <= w * (101 / 100)) by nra.
-    assert (Hu2 : u ^ 2 <= u / 1000000) by nra.
+  - assert (Hp : P * g <= (1 + 7 * u) * (w * (200 / 199))) by (apply Rmult_le_compat; nra).
+    assert (Hp2 : (1 + 7 * u) * (w * (200 / 199)) <= w * (101 / 100)) by nra.
+    assert (Hq : Q * (2 * u + u ^ 2) <= (2 + 3 * u) * (2 * u + u ^ 2))
+      by (apply Rmult_le_compat_r; nra).
+    assert (Hq2 : (2 + 3 * u) * (2 * u + u ^ 2) <= (404 / 100) * u) by nra.
     assert (Hr : (n + 4) * u * (101 / 100) = w * (101 / 100) + (404 / 100) * u) by (unfold w; field).
     rewrite Hr. lra.
   - unfold Rdiv. set (i := / (1 - w)).
@@ -399,13 +401,23 @@ Proof.
     assert (Hi0 : 0 < i) by (unfold i; apply Rinv_0_lt_compat; lra).
     assert (Hi1 : i <= 200 / 199) by nra.
     destruct (Rle_lt_dec 1 (2 * n)) as [H2n|H2n].
-    + assert (Hq : (1 + u) ^ 2 * (2 * n - 1) <= (1 + 3 * u) * (2 * n)) by nra.
-      assert (Hq2 : (1 + u) ^ 2 * (2 * n - 1) * i <= (1 + 3 * u) * (2 * n) * (200 / 199)).
-      { apply Rmult_le_compat; try nra. }
+    + assert (Hq : P * (2 * n - 1) <= (1 + 7 * u) * (2 * n)) by nra.
+      assert (Hq2 : P * (2 * n - 1) * i <= (1 + 7 * u) * (2 * n) * (200 / 199))
+        by (apply Rmult_le_compat; nra).
       nra.
-    + assert ((1 + u) ^ 2 * (2 * n - 1) * i <= 0).
-      { assert (0 <= (1 + u) ^ 2 * (1 - 2 * n)) by nra. nra. }
+    + assert (P * (2 * n - 1) * i <= 0).
+      { assert (0 <= P * (1 - 2 * n)) by nra. nra. }
       lra.
+Qed.
+
+Lemma code_factor_le u n :
+  0 < u -> u <= / 1000000 -> 0 <= n -> 200 * (n * u) <= 1 ->
+  (1 + u) ^ 2 * (n * u / (1 - n * u)) + 2 * u + u ^ 2 <= (n + 4) * u * (101 / 100)
+  /\ (1 + u) ^ 2 * (2 * n - 1) / (1 - n * u) <= (202 / 100) * n.
+Proof.
+  intros Hu Hu1 Hn Hw.
+  destruct (code_factor_gen u n ((1 + u) ^ 2) 1 Hu Hu1 Hn Hw) as [H1 H2]; [split; nra|lra|].
+  split; [lra|exact H2].
 Qed.
 
 (** Rounding to nearest in binary32 (the GPU and CPU kernels' logits). *)
@@ -513,41 +525,12 @@ Lemma code_factor_le_scaled u n :
   /\ (1 + u) ^ 2 <= 101 / 100.
 Proof.
   intros Hu Hu1 Hn Hw.
-  set (w := n * u) in *.
-  assert (Hw0 : 0 <= w) by (unfold w; nra).
-  assert (H1w : 199 / 200 <= 1 - w) by lra.
-  set (g := w / (1 - w)).
-  assert (Hg : g * (1 - w) = w) by (unfold g; field; lra).
-  assert (Hg0 : 0 <= g) by (unfold g; apply Rmult_le_pos; [lra|left; apply Rinv_0_lt_compat; lra]).
-  assert (Hgw : g <= w * (200 / 199)) by nra.
   assert (Hsq : (1 + u) ^ 2 <= 1 + 3 * u) by nra.
   assert (Hsq1 : 1 <= (1 + u) ^ 2) by nra.
-  assert (H4 : (1 + u) ^ 4 <= 1 + 7 * u).
-  { replace ((1 + u) ^ 4) with ((1 + u) ^ 2 * (1 + u) ^ 2) by ring.
-    apply Rle_trans with ((1 + 3 * u) * (1 + 3 * u)); [apply Rmult_le_compat; lra|nra]. }
-  assert (H41 : 1 <= (1 + u) ^ 4).
-  { replace ((1 + u) ^ 4) with ((1 + u) ^ 2 * (1 + u) ^ 2) by ring. nra. }
-  split; [|split; [|lra]].
-  - assert (Hp : (1 + u) ^ 4 * g <= (1 + 7 * u) * (w * (200 / 199))).
-    { apply Rmult_le_compat; nra. }
-    assert (Hp2 : (1 + 7 * u) * (w * (200 / 199)) <= w * (101 / 100)) by nra.
-    assert (Hq : ((1 + u) ^ 2 + 1) * (2 * u + u ^ 2) <= (2 + 3 * u) * (2 * u + u ^ 2))
-      by (apply Rmult_le_compat_r; nra).
-    assert (Hq2 : (2 + 3 * u) * (2 * u + u ^ 2) <= (404 / 100) * u) by nra.
-    assert (Hr : (n + 4) * u * (101 / 100) = w * (101 / 100) + (404 / 100) * u) by (unfold w; field).
-    rewrite Hr. lra.
-  - unfold Rdiv. set (i := / (1 - w)).
-    assert (Hi : i * (1 - w) = 1) by (unfold i; field; lra).
-    assert (Hi0 : 0 < i) by (unfold i; apply Rinv_0_lt_compat; lra).
-    assert (Hi1 : i <= 200 / 199) by nra.
-    destruct (Rle_lt_dec 1 (2 * n)) as [H2n|H2n].
-    + assert (Hq : (1 + u) ^ 4 * (2 * n - 1) <= (1 + 7 * u) * (2 * n)) by nra.
-      assert (Hq2 : (1 + u) ^ 4 * (2 * n - 1) * i <= (1 + 7 * u) * (2 * n) * (200 / 199)).
-      { apply Rmult_le_compat; try nra. }
-      nra.
-    + assert ((1 + u) ^ 4 * (2 * n - 1) * i <= 0).
-      { assert (0 <= (1 + u) ^ 4 * (1 - 2 * n)) by nra. nra. }
-      lra.
+  assert (H4 : (1 + u) ^ 4 = (1 + u) ^ 2 * (1 + u) ^ 2) by ring.
+  destruct (code_factor_gen u n ((1 + u) ^ 4) ((1 + u) ^ 2 + 1) Hu Hu1 Hn Hw) as [H1 H2];
+    [rewrite H4; split; nra|lra|].
+  split; [exact H1|split; [exact H2|lra]].
 Qed.
 
 (** T8e, int8 path with one scale per token (k~ = m sc exactly, fast.core.attention applies
