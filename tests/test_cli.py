@@ -36,8 +36,10 @@ def test_run_then_report(tmp_path, prompt, capsys):
     out = tmp_path / "run"
     rc = main(["run", "--scheme", "fp8_e5m2", "--gate", "certified:0.2", "--prompt-file", str(prompt),
                "--max-new-tokens", "8", "--shadow", "--out", str(out)])
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
     assert rc == 0
+    assert "decode" in captured.err and "tok" in captured.err   # the progress bar of the decode loop
     assert "Rome" in text.splitlines()[0] and "coverage" in text and "bytes/token" in text and "violations 0" in text
     for name in ("trace.npz", "trace.json", "bound_heatmap.png", "head_profile.png"):
         assert (out / name).is_file(), name
