@@ -61,9 +61,15 @@ class FusedLayer(CertifiedLayer):
             super()._flush(everything)
 
     def fused_ok(self):
-        c = self.cache
-        return (c.scheme.name == "int8" and c.gate.kind == "none" and not c.shadow and self.dtype == torch.float32
-                and self.device.type == "cpu" and not bool(self.repaired.any()) and cpu_fused.available())
+        """int8, no gate (so no repaired heads: only gates repair), no shadow, fp32 on CPU, kernel built.
+        Fixed for the layer's life: computed once (it is asked twice per layer and step)."""
+        ok = getattr(self, "_fused_ok", None)
+        if ok is None:
+            c = self.cache
+            ok = self._fused_ok = (c.scheme.name == "int8" and c.gate.kind == "none" and not c.shadow
+                                   and self.dtype == torch.float32 and self.device.type == "cpu"
+                                   and cpu_fused.available())
+        return ok
 
     def served(self, scratch=False):
         if scratch and self.fused_ok():  # the kernel reads the parts: no [B, Hkv, N, D] fp32 copy

@@ -111,6 +111,32 @@ inline int64_t tok_pos(const Seg& sg, int64_t b, int64_t h, int64_t j, int64_t p
     return sg.pos ? (int64_t)sg.pos[b * sg.p_sb + h * sg.p_sh + j] : pos0 + j;
 }
 
+// Row jj of a segment's keys (values = false) or values, as fp32: code * scale (exact in fp32: 8-bit code,
+// 11-bit fp16 scale) written into buf, or a pointer to the fp32 row. smax (keys only, may be null):
+// per channel max of the scales (codes) or of |k| (fp32 rows, at smax + D).
+inline const float* seg_row(const Seg& sg, bool values, int64_t b, int64_t h, int64_t jj, int64_t D, int64_t ng,
+                            float* buf, float* smax) {
+    const void* base = values ? sg.v : sg.k;
+    const int64_t sb = values ? sg.v_sb : sg.k_sb, sh = values ? sg.v_sh : sg.k_sh;
+    if (!sg.is_int8) {
+        const float* r = (const float*)base + b * sb + h * sh + jj * D;
+        if (smax)
+            for (int64_t d = 0; d < D; ++d) smax[D + d] = std::max(smax[D + d], std::fabs(r[d]));
+        return r;
+    }
+    const int8_t* code = (const int8_t*)base + b * sb + h * sh + jj * D;
+    const uint16_t* sc = values ? sg.vs + b * sg.vs_sb + h * sg.vs_sh + jj * ng : sg.ks + b * sg.ks_sb + h * sg.ks_sh + jj * ng;
+    const int64_t gw = D / ng;
+    for (int64_t g = 0; g < ng; ++g) {
+        const float sv = half_to_float(sc[g]);
+#pragma omp simd
+        for (int64_t d = g * gw; d < (g + 1) * gw; ++d) buf[d] = (float)code[d] * sv;
+        if (smax)
+            for (int64_t d = g * gw; d < (g + 1) * gw; ++d) smax[d] = std::max(smax[d], sv);
+    }
+    return buf;
+}
+
 void run(const Args& a) {
     const int64_t B = a.B, T = a.T, H = a.H, Hkv = a.Hkv, D = a.D, NB = a.NB;
     const int64_t G = H / Hkv, R = T * G;
@@ -136,7 +162,6 @@ void run(const Args& a) {
     double* PSUM = psum.data();
     float* PKMAX = pkmax.data();
     float* PNAN = pnan.data();
-    const int64_t gk = D / a.ngk, gv = D / a.ngv;
     static thread_local std::vector<float> kappa_buf;
     kappa_buf.resize((size_t)(B * T * H * NB));
     float* KAPPA = kappa_buf.data();
@@ -182,25 +207,7 @@ void run(const Args& a) {
             const bool quant = j < N0;
             const Seg& sg = a.seg[quant ? 0 : 1];
             const int64_t jj = quant ? j : j - N0;
-            const float* kr;
-            if (quant && sg.is_int8) {
-                // k~ = code * scale, exact in fp32 (8-bit code, 11-bit scale): the row the twin multiplies
-                const int8_t* code = (const int8_t*)sg.k + b * sg.k_sb + h * sg.k_sh + jj * D;
-                const uint16_t* sc = sg.ks + b * sg.ks_sb + h * sg.ks_sh + jj * a.ngk;
-                for (int64_t g = 0; g < a.ngk; ++g) {
-                    const float sv = half_to_float(sc[g]);
-#pragma omp simd
-                    for (int64_t d = g * gk; d < (g + 1) * gk; ++d) {
-                        kf[d] = (float)code[d] * sv;
-                        km[d] = std::max(km[d], sv);
-                    }
-                }
-                kr = kf;
-            } else {
-                kr = (const float*)sg.k + b * sg.k_sb + h * sg.k_sh + jj * D;
-#pragma omp simd
-                for (int64_t d = 0; d < D; ++d) km[D + d] = std::max(km[D + d], std::fabs(kr[d]));
-            }
+            const float* kr = seg_row(sg, false, b, h, jj, D, quant ? a.ngk : 1, kf, km);
             const bool vj = !sg.valid || sg.valid[b * sg.va_sb + h * sg.va_sh + jj];
             const int64_t pj = tok_pos(sg, b, h, jj, quant ? 0 : N0);
             for (int64_t r = 0; r < R; ++r) {
@@ -313,19 +320,7 @@ void run(const Args& a) {
             const bool quant = j < N0;
             const Seg& sg = a.seg[quant ? 0 : 1];
             const int64_t jj = quant ? j : j - N0;
-            const float* vr;
-            if (quant && sg.is_int8) {
-                const int8_t* code = (const int8_t*)sg.v + b * sg.v_sb + h * sg.v_sh + jj * D;
-                const uint16_t* sc = sg.vs + b * sg.vs_sb + h * sg.vs_sh + jj * a.ngv;
-                for (int64_t g = 0; g < a.ngv; ++g) {
-                    const float sv = half_to_float(sc[g]);
-#pragma omp simd
-                    for (int64_t d = g * gv; d < (g + 1) * gv; ++d) vf[d] = (float)code[d] * sv;
-                }
-                vr = vf;
-            } else {
-                vr = (const float*)sg.v + b * sg.v_sb + h * sg.v_sh + jj * D;
-            }
+            const float* vr = seg_row(sg, true, b, h, jj, D, quant ? a.ngv : 1, vf, nullptr);
             for (int64_t r = 0; r < R; ++r) {
                 const float w = lg[r * N + j];
                 if (w == 0.0f) continue;
