@@ -228,6 +228,17 @@ def _coarse(x):
     return (x.float() * 4).round() / 4  # error up to 1/8 per element: a visibly compressed key
 
 
+def _shadow_run(model, name, fn, window, n):
+    """Register fn as `name`, decode n tokens in shadow mode (no sinks); (true TV, bound) per check."""
+    register_scheme(name, fn)
+    try:
+        cache = CertifiedCache(model.config, name, sinks=0, window=window, shadow=True)
+        gen(model, tiny_ids(1, 40), cache, n=n)
+        return stacked(cache, "true_tv"), stacked(cache, "min")
+    finally:
+        unregister_scheme(name)
+
+
 def test_scheme_writing_into_its_input_cannot_fake_the_witness(model):
     """A scheme that overwrites its input with its output (so that the exact key the witness is
     measured against would be the quantized one) gets a private copy: the bound still holds."""
@@ -236,15 +247,9 @@ def test_scheme_writing_into_its_input_cannot_fake_the_witness(model):
         x.copy_(out)  # scribble into the input
         return out
 
-    register_scheme("writes_input", fn)
-    try:
-        cache = CertifiedCache(model.config, "writes_input", sinks=0, window=0, shadow=True)
-        gen(model, tiny_ids(1, 40), cache, n=4)
-        true, bound = stacked(cache, "true_tv"), stacked(cache, "min")
-        assert float(true.max()) > 1e-3  # really compressed
-        assert bool((true <= bound).all()), f"true TV {float(true.max())} above the bound {float(bound.min())}"
-    finally:
-        unregister_scheme("writes_input")
+    true, bound = _shadow_run(model, "writes_input", fn, window=0, n=4)
+    assert float(true.max()) > 1e-3  # really compressed
+    assert bool((true <= bound).all()), f"true TV {float(true.max())} above the bound {float(bound.min())}"
 
 
 def test_scheme_writing_into_the_exact_tail_cannot_reach_the_cache(model):
@@ -256,13 +261,8 @@ def test_scheme_writing_into_the_exact_tail_cannot_reach_the_cache(model):
         whole.copy_(_coarse(whole))
         return out
 
-    register_scheme("writes_tail", fn)
-    try:
-        cache = CertifiedCache(model.config, "writes_tail", sinks=0, window=6, shadow=True)
-        gen(model, tiny_ids(1, 40), cache, n=5)
-        assert bool((stacked(cache, "true_tv") <= stacked(cache, "min")).all())
-    finally:
-        unregister_scheme("writes_tail")
+    true, bound = _shadow_run(model, "writes_tail", fn, window=6, n=5)
+    assert bool((true <= bound).all()), f"true TV {float(true.max())} above the bound"
 
 
 def test_scheme_editing_its_output_later_cannot_change_what_is_served(model):
@@ -277,14 +277,8 @@ def test_scheme_editing_its_output_later_cannot_change_what_is_served(model):
         outs.append(out)
         return out
 
-    register_scheme("edits_output", fn)
-    try:
-        cache = CertifiedCache(model.config, "edits_output", sinks=0, window=0, shadow=True)
-        gen(model, tiny_ids(1, 40), cache, n=4)
-        true, bound = stacked(cache, "true_tv"), stacked(cache, "min")
-        assert bool((true <= bound).all()), f"true TV {float(true.max())} above the bound"
-    finally:
-        unregister_scheme("edits_output")
+    true, bound = _shadow_run(model, "edits_output", fn, window=0, n=4)
+    assert bool((true <= bound).all()), f"true TV {float(true.max())} above the bound"
 
 
 def test_dither_tier_covers_the_fp32_logits(model, monkeypatch):

@@ -16,7 +16,6 @@ fp32 (|m| <= 127 needs 7 more bits: 24 in all). Treating u as U[-1/2, 1/2) is sp
 assumption A1.
 """
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -259,16 +258,13 @@ def _quantize_fp8(x32, scheme, per_token_scale):
 
 def _check_tensor_scale(scale):
     """A per-tensor scale: a positive finite number that fp32 holds exactly (vLLM keeps it in fp32)."""
-    if isinstance(scale, torch.Tensor):
-        if scale.numel() != 1:
-            raise ValueError(f"scale: expected one number, got shape {tuple(scale.shape)}")
-        scale = scale.item()
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise ValueError(f"scale: expected a number, got {type(scale).__name__}")
-    s32 = float(torch.tensor(float(scale), dtype=torch.float32))
-    if not (math.isfinite(s32) and s32 > 0) or s32 != float(scale):
-        raise ValueError(f"scale = {scale!r}: must be positive, finite and exactly representable in fp32")
-    return s32
+    try:
+        s = _checks.positive_scale("scale", scale)
+    except TypeError as e:
+        raise ValueError(str(e)) from None
+    if float(torch.tensor(s, dtype=torch.float32)) != s:
+        raise ValueError(f"scale = {scale!r}: must be exactly representable in fp32 (vLLM keeps it in fp32)")
+    return s
 
 
 def _rtz_codes(x32, scheme, s32):
