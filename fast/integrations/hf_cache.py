@@ -305,7 +305,8 @@ class CertifiedLayer(CacheLayerMixin):
     def head_bytes(self, h):
         """Offload bytes of KV head h: what a repair moves to the device."""
         if self.cache.offload == "residual":
-            return (self.res_k.nbytes + self.res_v.nbytes + self.res_rho.nbytes) // self.Hkv if self.nq else 0
+            rv = self.res_v_err.nbytes if self.res_v_err is not None else 0  # value witness after a repair (value_bound)
+            return (self.res_k.nbytes + self.res_v.nbytes + self.res_rho.nbytes + rv) // self.Hkv if self.nq else 0
         return (self.exact_k[:, h, :self.nq].nbytes + self.exact_v[:, h, :self.nq].nbytes)
 
     def repair(self, heads):
@@ -389,7 +390,7 @@ class CertifiedLayer(CacheLayerMixin):
         if self.cache.gate.kind == "none":
             return 0
         if self.cache.offload == "residual":
-            return sum(t.nbytes for t in (self.res_k, self.res_v, self.res_rho) if t is not None)
+            return sum(t.nbytes for t in (self.res_k, self.res_v, self.res_rho, self.res_v_err) if t is not None)
         return self.exact_k[:, :, :self.nq].nbytes + self.exact_v[:, :, :self.nq].nbytes
 
 
