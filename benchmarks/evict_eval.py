@@ -252,6 +252,20 @@ def summarize(records, settings, taus):
             if p_adj < ALPHA:
                 findings.append(f"{a} vs {b}: {x} inputs right only with {a.split('@')[0]}, {y} only with "
                                 f"{b.split('@')[0]}; exact McNemar p = {p:.2g} (Holm within budget {K}: {p_adj:.2g})")
+    if not any("McNemar" in f for f in findings):
+        findings.append(f"no evictor differs significantly (exact McNemar, Holm) from the full cache or from another "
+                        f"evictor at this size ({n} inputs, {len(ans)} answerable)")
+    ce = [c["cert"] for c in cells.values()]
+    below_half = sum(1 for r in records for x in r["runs"].values() if x.get("log_odds_mean") is not None and x["log_odds_mean"] < 0)
+    checks, viol = sum(c["checks"] for c in ce), sum(c["violations"] for c in ce)
+    gaps = {"g32": _mean([c["gap_nats"] for c in ce])}
+    gaps.update({v: _mean([c["variants"][v]["gap_nats"] for c in ce]) for v in settings["witness_variants"]})
+    wb = {k: _mean([c["witness_over_evicted"].get(k) for c in ce]) for k in gaps}
+    findings.append(f"eviction certificate: {viol} violations in {checks} checks against the exact-key truth; mean "
+                    f"bound log-odds {_mean([c['log_odds_mean'] for c in ce])} (TV bound ~1) while the true evicted mass "
+                    f"averages {_mean([c['true_mean'] for c in ce])}; looseness in nats (bound minus true log-odds): "
+                    + ", ".join(f"{k} {g} at {wb[k]} witness bytes per evicted K+V byte" for k, g in gaps.items())
+                    + f"; inputs whose mean bound is below 1/2 (log-odds < 0): {below_half} of {len(records) * len(cells)}")
     page_better = [k for k, c in cells.items() if c["page"]["p_blind_le_page"] is not None and c["page"]["p_blind_le_page"] < ALPHA]
     findings.append("PAGE beats the blind gate (hypergeometric p < 0.05, not adjusted) in "
                     f"{len(page_better)} of {len(cells)} cells" + (f": {', '.join(page_better)}" if page_better else ""))

@@ -5,8 +5,9 @@
     mcnemar(a, b)             exact two-sided McNemar test of paired 0/1 outcomes (binomial on the
                               discordant pairs): (p, a_only, b_only)
     hypergeom_le(x, N, K, n)  P(X <= x), X ~ Hypergeometric(N items, K marked, n drawn): the blind gate
-    auroc(pos, neg)           P(score of a positive > a negative), ties half, with a 95 % interval
-                              (Hanley-McNeil standard error, clipped to [0, 1])
+    auroc(pos, neg)           P(score of a positive > a negative), ties half, with a 95 % interval:
+                              the wider of Hanley-McNeil and a Wilson interval on min(#pos, #neg)
+                              trials (Hanley-McNeil alone collapses to a point at 0 or 1 on tiny samples)
     holm(pvals)               Holm-Bonferroni adjusted p-values (family-wise error 5 %)
 """
 
@@ -84,7 +85,9 @@ def auroc(pos, neg, z=Z95):
     q1, q2 = a / (2 - a), 2 * a * a / (1 + a)
     var = (a * (1 - a) + (len(pos) - 1) * (q1 - a * a) + (len(neg) - 1) * (q2 - a * a)) / (len(pos) * len(neg))
     se = math.sqrt(max(var, 0.0))
-    return round(a, 4), [round(max(0.0, a - z * se), 4), round(min(1.0, a + z * se), 4)]
+    m = min(len(pos), len(neg))
+    w_lo, w_hi = wilson(a * m, m, z)
+    return round(a, 4), [round(max(0.0, min(a - z * se, w_lo)), 4), round(min(1.0, max(a + z * se, w_hi)), 4)]
 
 
 def holm(pvals):

@@ -39,6 +39,8 @@ def test_auroc_and_holm():
     """property: perfect separation 1, reversed 0, ties 0.5; Holm is monotone and capped at 1."""
     assert auroc([3, 4], [1, 2])[0] == 1.0 and auroc([1, 2], [3, 4])[0] == 0.0
     assert auroc([1, 1], [1, 1])[0] == 0.5
+    a, (lo, hi) = auroc([5], [1])                        # one pair: perfect, but the interval stays wide
+    assert a == 1.0 and lo < 0.25 and hi == 1.0
     assert auroc([], [1])[0] is None
     assert holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
     assert holm([0.4, 0.3]) == pytest.approx([0.6, 0.6]) and holm([0.9, 0.8]) == [1.0, 1.0]
