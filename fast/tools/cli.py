@@ -20,19 +20,12 @@ import random
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
-from fast.tools.inputs import Parser, UsageError, check_out, integer, one_line, read_prompt, real, staged
+from fast.tools.inputs import SMOLLM2, Parser, UsageError, check_out, integer, one_line, read_prompt, real, staged
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 DEFAULT_OUT = "runs/latest"
-
-# The shipped model's shape (fast.integrations.model), for the checks made before it loads;
-# the loaded model's own config is checked again before generation starts.
-SMOLLM2 = SimpleNamespace(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                          hidden_size=576, max_position_embeddings=8192)
-
 
 # ---- prompts ----
 

@@ -14,7 +14,7 @@ import math
 import sys
 from pathlib import Path
 
-from fast.tools.inputs import Parser, UsageError, check_out_file, integer, one_line, read_prompt, real, write_file_atomic
+from fast.tools.inputs import SMOLLM2, Parser, UsageError, check_out_file, integer, one_line, read_prompt, real, write_file_atomic
 
 
 def add_run_arguments(parser):
@@ -137,7 +137,6 @@ def _check_calibration_out(path):
 
 
 def _calibrate_page(argv):
-    from fast.tools.cli import SMOLLM2
     ap = Parser(prog="kvcert calibrate-page", description=calibrate_page_main.__doc__)
     ap.add_argument("--budget", default="256", help="the evictor's budget (tokens or a ratio), as in --evict")
     ap.add_argument("--prompts", default=None, help="a text file, one unlabelled prompt per line (default: generated)")

@@ -16,6 +16,12 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
+
+# The shipped model's shape (fast.integrations.model), for the checks made before it loads;
+# the loaded model's own config is checked again before generation starts.
+SMOLLM2 = SimpleNamespace(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                          hidden_size=576, max_position_embeddings=8192)
 
 
 class UsageError(Exception):
