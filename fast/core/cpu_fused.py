@@ -27,43 +27,46 @@ does not evaluate expm1 per term; it returns fp64 sums Z = sum w, S1 = sum w c^,
   (M1) 1 - e^-c <= g(c) = c - c^2 (1/2 - cm/6)   (e^-c >= 1 - c + c^2/2 - c^3/6, c^3 <= cm c^2), and g is
        increasing on [0, cm] for every cm (g' >= 1 - c + c cm/3 > 0 since cm - cm^2/3 < 1), so an upper
        bound of c may be put in; (M2) 1 - e^-c <= c; (M3) sum w (1 - e^-c) <= sum w = Z.
-So P <= min(A1 + A2 (1/2 + cm e^cm/6), A1 expm1(cm)/cm), M <= min(A1 - A2lo (1/2 - cm/6) [cm <= 3], A1, Z),
-A1 >= sum w c, A2 >= sum w c^2, A2lo <= sum (w c^ f)^2 / w ... (below), all in fp64 rounded outward.
+So, with A1 >= sum w c and A2 >= sum w c^2 (upper bounds) and A2lo <= sum w c^2 (lower bound),
+  P <= min(A1 + A2 (1/2 + cm e^cm / 6), A1 expm1(cm) / cm),
+  M <= min(A1 - A2lo (1/2 - cm/6) [when 1/2 - cm/6 > 0], A1, Z (1 + 2 gamma_{N+1})),
+all evaluated in fp64 and rounded outward (below). (M1 with an upper bound f c^ of c: g increasing.)
 These bound the sums of the computed weights w over the exact witness bounds c; forms_from_pmz
 then adds, unchanged, its margin for w against the exact e^{x - m} and for the logit rounding e.
 The looseness against the twin's per-term expm1 is relative O(cm^2) (P1, M1): ~1e-3 at cm = 0.1.
 
 Floating point (math.md T8, matching csrc/cpu_fused.cpp line by line).
-- Logits: x = fl(fl(sum_g fl(scale_g fl(sum_{i in g} q_i m_i))) s): the group dot of |g| terms
-  (gamma_|g|, any order: omp simd reassociates), one rounding for the scale, ng - 1 additions, one
-  for s: gamma_{|g| + ng + 1} <= gamma_{D + 2} of s sum_i |q_i| |k~_i|, inside the twin's
-  e = s (D + 4) u (1.01) sum_i |q_i| kmax_i (fast.core.certify.logit_rounding). fp32 rows: gamma_{D+1}.
-  kmax from the kernel: 127 x the largest fp16 scale per channel (codes) and the largest |k| of fp32
-  rows; the same bound max_abs uses.
+- Logits: k~ = code x scale is exact in fp32 (8-bit code, 11-bit fp16 scale), so x = fl(fl(q . k~) s)
+  with the D-term dot product in 8 fma lanes and a fixed tree: gamma_D (any order), one rounding for
+  s: within gamma_{D+1} of s sum_i |q_i| |k~_i|, inside the twin's e = s (D + 4) u32 (1.01)
+  sum_i |q_i| kmax_i (fast.core.certify.logit_rounding), which the kernel evaluates the same way in
+  fp64 (last product one ulp up) with kmax_i = max(127 (1 + 2^-23) x the largest fp16 scale of
+  channel i over the codes, the largest |k_i| of the fp32 rows): the bound QTensor.max_abs uses.
 - Weights: w = kv_exp(fl(x - m)), m the max over the readable tokens of the row (one max for all
   chunks). kv_exp (Cody-Waite + degree-7 Taylor, fma) is checked EXHAUSTIVELY against fp64 exp on
   every fp32 input in [-104, 0] (exp_check(), run by tests/test_cpu_fused.py): relative error
   <= EXP32_EPS = 8 u32 where e^x >= 2^-126, absolute <= 2^-126 below (0 under -87.3365): the error
-  model forms_from_pmz assumes for torch.exp. Measured: see exp_check() in the test.
-- c^_j = fl(sum_b kappa_b rho_jb) by fma, nonnegative terms, no underflow (kappa >= 2^-60 and nonzero
-  rho >= 2^-64 are enforced; log codes are >= 2^-20): the exact sum of the fp32 arguments is
-  <= c^ / (1 - u32)^NB <= f c^, f = 1 + 2 NB u32; and kappa_b >= s ||q_b|| (band norms as
-  fast.core.certify.band_norms_up, product with s and the cast to fp32 rounded up), so the exact
-  witness bound c_j = s sum_b ||q_b|| rho_jb <= f c^_j, and cm = f max_j c^_j (rounded up) >= max c_j.
-- Sums (fp64, any tree): w c^ one rounding, w c^ c^ two; N terms: sum w c^ <= S1 (1 + 2 gamma_{N+1}),
-  sum w c^^2 <= S2 (1 + 2 gamma_{N+2}) and >= S2 (1 - 2 gamma_{N+2}) (u64). Then A1 = f S1 (1 + 2 gamma),
-  A2 = f^2 S2 (1 + 2 gamma), A2lo = f... no: M1 needs sum w g(f c^) = f sum w c^ - f^2 (1/2 - cm/6)
-  sum w c^^2, so the subtracted term uses S2 (1 - 2 gamma) (a lower bound) and the added one S1's
-  upper bound. Every fp64 expression after that is a handful of correctly rounded operations on
-  nonnegative numbers (one subtraction in M1, whose subtrahend is at most cm/2 of the minuend for
-  cm <= 1 and which is rounded up by the final factor): each result is multiplied by 1 + 2^-40 and
-  moved one ulp up (or down for the subtrahend), far above the <= 12 roundings involved.
+  model forms_from_pmz assumes for torch.exp. Measured here: 1.32 u32 (exp_check()).
+- kappa_b >= s ||q_b|| in the kernel, as fast.core.certify.band_norms_up: squares exact in fp64, the
+  W-term sum and the sqrt within gamma_{W+4} (u64), times 1 + 2 gamma_{W+4}, one ulp up; times s, one
+  ulp up; at least 2^-60; cast to fp32 rounded up.
+- c^_j = fl(sum_b kappa_b rho_jb) by fma in band order, nonnegative terms, no underflow (kappa >= 2^-60,
+  nonzero rho >= 2^-64 enforced; log codes are >= 2^-20): the exact sum of the fp32 arguments is
+  <= c^ / (1 - u32)^NB <= f c^, f = 1 + 2 NB u32; so the exact witness bound
+  c_j = s sum_b ||q_b|| rho_jb <= f c^_j, and cm = f max_j c^_j (rounded up) >= max_j c_j.
+- Sums (fp64, any tree): w c^ one rounding, w c^ c^ two, N terms: sum w c^ <= S1 (1 + 2 gamma_{N+1}),
+  sum w c^^2 in [S2 (1 - 2 gamma_{N+2}), S2 (1 + 2 gamma_{N+2})] (u64). A1 = f S1 (1 + 2 gamma_{N+1}),
+  A2 = f^2 S2 (1 + 2 gamma_{N+2}), A2lo = f^2 S2 (1 - 2 gamma_{N+2}) (M1 at f c^ subtracts
+  f^2 (1/2 - cm/6) sum w c^^2: a lower bound there). The fp64 evaluation: a handful of correctly
+  rounded operations on nonnegative numbers and one subtraction (M1), whose subtrahend is at most
+  max_cm (cm/2 - cm^2/6) = 0.375 of the minuend: each result is multiplied by 1 + 2^-40 and moved one
+  ulp up (the subtrahend's coefficient rounded down), far above the <= 12 roundings of u64 involved.
 - Z = sum w exactly as the twin forms it (fp32 terms, fp64 sum): forms_from_pmz's own margins apply.
 - Output (not certified; T5 is separate): fp32 accumulation of w v~ per chunk, chunks summed in a fixed
   order, divided by fl32(Z): within ~1e-6 relative of the twin (tests: assert_close rtol 2e-5).
 Rows with a large cm (forms_from_pmz refuses fp32 terms: max c_eff > CMAX32) are recomputed by
-the twin. NaN/Inf in q: ValueError before the call; in keys or scales: NaN logits flag ->
-ValueError; in values: non-finite output -> ValueError.
+the twin. NaN/Inf in q, keys or scales: the kernel's logit flag -> ValueError; in values: its
+output flag -> ValueError (attention_rows also runs the twin's input checks first).
 """
 
 import ctypes
@@ -105,7 +108,7 @@ class _Seg(ctypes.Structure):
 class _Args(ctypes.Structure):
     _fields_ = [("B", ctypes.c_int64), ("T", ctypes.c_int64), ("H", ctypes.c_int64), ("Hkv", ctypes.c_int64),
                 ("D", ctypes.c_int64), ("NB", ctypes.c_int64), ("ngk", ctypes.c_int64), ("ngv", ctypes.c_int64),
-                ("s", ctypes.c_float), ("q", ctypes.c_void_p), ("qpos", ctypes.c_void_p), ("bands", ctypes.c_void_p),
+                ("s", ctypes.c_float), ("s64", ctypes.c_double), ("q", ctypes.c_void_p), ("qpos", ctypes.c_void_p), ("bands", ctypes.c_void_p),
                 ("W", ctypes.c_int64), ("band_margin", ctypes.c_double), ("e_coef", ctypes.c_double), ("lut", ctypes.c_void_p), ("seg", _Seg * 2), ("out", ctypes.c_void_p), ("stats", ctypes.c_void_p),
                 ("kmax", ctypes.c_void_p), ("nanflag", ctypes.c_void_p), ("certify", ctypes.c_int),
                 ("threads", ctypes.c_int), ("chunk", ctypes.c_int64)]
@@ -207,7 +210,7 @@ def _run(q, qpos, segs, s, bands, ngk, ngv, certify, lut=None):
     out = torch.empty(B, T, H, D, dtype=torch.float32)
     stats = torch.empty(B, T, H, 5, dtype=torch.float64)
     scratch = torch.empty(2, segs[0]["Hkv"] * B, 2, D, dtype=torch.float32)  # kmax, nan flags
-    a = _Args(B, T, H, segs[0]["Hkv"], D, NB, ngk, ngv, s, q.data_ptr(), qpos.data_ptr(), bands.data_ptr(), W,
+    a = _Args(B, T, H, segs[0]["Hkv"], D, NB, ngk, ngv, s, s, q.data_ptr(), qpos.data_ptr(), bands.data_ptr(), W,
               _band_margin(W), (D + 4) * U32 * 1.01, 0 if lut is None else lut.data_ptr())
     a.seg[0], a.seg[1] = segs[0]["c"], segs[1]["c"]
     a.out, a.stats, a.kmax, a.nanflag = out.data_ptr(), stats.data_ptr(), scratch[0].data_ptr(), scratch[1].data_ptr()

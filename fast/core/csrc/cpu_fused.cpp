@@ -89,7 +89,8 @@ struct Seg {
 
 struct Args {
     int64_t B, T, H, Hkv, D, NB, ngk, ngv;
-    float s;
+    float s;              // the softmax scale rounded to fp32 (the logits: as the twin's s32)
+    double s64;           // the scale itself (kappa and e: upper bounds of the exact formula's s)
     const float* q;       // [B, T, H, D]
     const int32_t* qpos;  // [B, T]
     const int64_t* bands;  // [NB, W] coordinate indices of each band
@@ -179,7 +180,7 @@ void run(const Args& a) {
                     ss += x * x;
                 }
                 double nrm = std::nextafter(std::sqrt(ss) * a.band_margin, INFINITY);
-                double k64 = std::max(std::nextafter(nrm * (double)a.s, INFINITY), 0x1p-60);
+                double k64 = std::max(std::nextafter(nrm * a.s64, INFINITY), 0x1p-60);
                 float k32 = (float)k64;
                 if ((double)k32 < k64) k32 = std::nextafter(k32, INFINITY);
                 KAPPA[i * NB + k] = k32;
@@ -372,7 +373,7 @@ void run(const Args& a) {
                 }
                 double* st = a.stats + ((b * T + t) * H + hq) * 5;
                 st[0] = z; st[1] = s1; st[2] = s2; st[3] = cm;
-                st[4] = std::nextafter((double)a.s * qk * a.e_coef, INFINITY);
+                st[4] = std::nextafter(a.s64 * qk * a.e_coef, INFINITY);
             }
         }
     }
