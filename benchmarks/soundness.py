@@ -127,7 +127,7 @@ def gating(model, tok, args, t0):
         ids = build_prompt(tok, kind, 1024, seed=1000 + i)
         dyn = DynamicCache(config=model.config)
         with torch.no_grad():
-            first = model(input_ids=torch.tensor([ids]), cache=dyn, use_cache=True).logits[:, -1].argmax(-1)
+            first = model(input_ids=torch.tensor([ids]), past_key_values=dyn, use_cache=True).logits[:, -1].argmax(-1)
         for c in configs:
             acc[c].append(run_scheme(model, dyn, first, c[0], args.steps, args, gate=f"certified:{args.tau}", offload=c[1]))
         print(f"[{time.time() - t0:6.0f}s] gating prompt {i + 1}/{args.gating_prompts}", flush=True)
@@ -202,7 +202,7 @@ def main(argv=None):
         prompt_lengths.append(n)
         dyn = DynamicCache(config=model.config)
         with torch.no_grad():
-            first = model(input_ids=torch.tensor(ids), cache=dyn, use_cache=True).logits[:, -1].argmax(-1)
+            first = model(input_ids=torch.tensor(ids), past_key_values=dyn, use_cache=True).logits[:, -1].argmax(-1)
         for s in schemes:
             r = run_scheme(model, dyn, first, s, args.steps, args)
             for k, v in r.items():
