@@ -29,6 +29,7 @@ any partition), witness bytes, and the AUROC of bound and of true mass against h
 
 import argparse
 import json
+import shlex
 import math
 import platform
 import sys
@@ -415,7 +416,7 @@ def write(args, argv, records, taus, calib_drops, calib_info, variants, t0):
                 "generation": "greedy, ruler.allowance(task) new tokens, stop at <|im_end|>"}
     cells, pairs, findings = summarize(records, settings, taus)
     data = {"command": "nice -n 10 .venv/bin/python -m benchmarks.evict_eval "
-                       + " ".join(argv if argv is not None else sys.argv[1:]),
+                       + shlex.join(argv if argv is not None else sys.argv[1:]),
             "machine": machine(), "model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized, fp32, CPU)",
             "settings": settings, "seconds": round(time.time() - t0, 1),
             "full_accuracy": round(sum(r["full"] for r in records) / len(records), 4),

@@ -20,6 +20,7 @@ whose AUROCs against harm feed the harm-predictor study.
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -199,14 +200,14 @@ def tables(data):
                   "and layer-summed (fp16 = "
                   f"{cells[next(iter(cells))]['fp16_bytes_per_token']:.0f})",
          "header": ["scheme", "gate", "accuracy", "harm rate", "p vs full (Holm)", "p gated vs raw", "bytes/token",
-                    "repairs/request", "cert < 1 share", "AUROC cert vs harm", "AUROC true TV vs harm", "violations/checks"],
+                    "repairs/request", "mean certificate", "AUROC cert vs harm", "AUROC true TV vs harm", "violations/checks"],
          "rows": []}
     for c in cells.values():
         t["rows"].append([c["scheme"], c["gate"], rate(c["correct"], c["n"]), rate(c["harmed"], c["n_answerable"]),
                           f"{c['mcnemar_vs_full']['p_holm']:.2g}",
                           "-" if c["gate"] == "none" else f"{c['mcnemar_vs_raw']['p']:.2g}",
                           f"{c['bytes_per_token']:.0f}", f"{c['repairs_per_request']:.1f}",
-                          "-" if c["cert_informative"] is None else f"{c['cert_informative']:.2f}",
+                          "-" if c["cert_mean"] is None else f"{c['cert_mean']:.3f}",
                           ci(c.get("auroc_cert_harm")), ci(c.get("auroc_true_harm")),
                           f"{c['violations']}/{c['checks']}" if c["gate"] == "none" else "-"])
     return [t]
@@ -260,7 +261,7 @@ def write(args, argv, records, t0):
                 "schemes": args.schemes, "gates": args.gates, "cert_steps": args.cert_steps, "seed0": args.seed0,
                 "natural_haystack": natural_source(), "cache": "CertifiedCache defaults: sinks 4, window 32, offload full"}
     cells, findings = summarize(records, settings)
-    data = {"command": "nice -n 10 .venv/bin/python -m benchmarks.quant_eval " + " ".join(argv if argv is not None else sys.argv[1:]),
+    data = {"command": "nice -n 10 .venv/bin/python -m benchmarks.quant_eval " + shlex.join(argv if argv is not None else sys.argv[1:]),
             "machine": machine(), "model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized, fp32, CPU)",
             "settings": settings, "seconds": round(time.time() - t0, 1),
             "full_accuracy": round(sum(r["full"] for r in records) / len(records), 4),

@@ -34,19 +34,57 @@ def results_tables():
     out = []
     for path in sorted(RESULTS.glob("*.json")):
         data = json.loads(path.read_text())
-        table = data.get("readme_table")
-        if not table:
-            continue
-        out.append(f"**{table['title']}** (`{path.relative_to(ROOT)}`, from `{data.get('command', '?')}`)")
-        out.append("")
-        out.append("| " + " | ".join(table["header"]) + " |")
-        out.append("|" + "---|" * len(table["header"]))
-        out += ["| " + " | ".join(str(c) for c in row) + " |" for row in table["rows"]]
-        out.append("")
+        tables = data.get("readme_tables") or ([data["readme_table"]] if data.get("readme_table") else [])
+        for table in tables:
+            out.append(f"**{table['title']}** (`{path.relative_to(ROOT)}`, from `{data.get('command', '?')}`)")
+            out.append("")
+            out.append("| " + " | ".join(table["header"]) + " |")
+            out.append("|" + "---|" * len(table["header"]))
+            out += ["| " + " | ".join(str(c) for c in row) + " |" for row in table["rows"]]
+            out.append("")
     return "\n".join(out) if out else "(no results yet: run `make bench`)"
 
 
-SECTIONS = {"verified": verified_table, "results": results_tables}
+EVAL_FILES = ("evict_eval.json", "quant_eval.json", "harm_study.json")
+
+
+def eval_findings():
+    """What the evaluation results say is significant (the `findings` of the eval results files),
+    with the size and machine of each run."""
+    out = []
+    for name in EVAL_FILES:
+        path = RESULTS / name
+        if not path.is_file():
+            continue
+        data = json.loads(path.read_text())
+        m = data.get("machine")
+        size = (f"{len(data['records'])} inputs, {data.get('seconds', '?')} s on {m.get('cpus', '?')} shared CPU cores; "
+                if m and data.get("records") else "")
+        out.append(f"- `{path.relative_to(ROOT)}` ({size}`{data.get('command', '?')}`):")
+        out += [f"  - {f}" for f in data.get("findings", [])]
+    return "\n".join(out) if out else "(no evaluation results yet)"
+
+
+def chain_section():
+    """From theorem to number: spec/chains.toml, one block per reported quantity."""
+    import tomllib
+    chains = tomllib.loads((ROOT / "spec" / "chains.toml").read_text())["quantity"]
+    theorems, assumptions = load()
+    known = {r["id"] for r in theorems} | {a["id"] for a in assumptions}
+    out = []
+    for q in chains:
+        out += [f"**{q['name']}**: {q['reported']}.", "", "| step | function | rests on |", "|---|---|---|"]
+        for st in q["step"]:
+            missing = [i for i in st["rests_on"] if i not in known]
+            if missing:
+                raise ValueError(f"spec/chains.toml: unknown ids {missing}")
+            ids = ", ".join(st["rests_on"])
+            out.append(f"| {st['what']} | `{st['function']}` | {ids} |")
+        out.append("")
+    return "\n".join(out)
+
+
+SECTIONS = {"verified": verified_table, "results": results_tables, "evalfindings": eval_findings, "chain": chain_section}
 
 
 def render(text):
