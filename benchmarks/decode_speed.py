@@ -131,11 +131,31 @@ def run_context(model, tok, L, batches, steps, quanto, log):
                 res[name]["fused_reads"] = cache.fused_reads
         res["meter_overhead"] = res["int8 certified"]["median_step_s"] / res["int8 (no certificate)"]["median_step_s"]
         out[f"B={B}"] = res
+        with open(ROOT / "build" / "decode_speed_cells.jsonl", "a") as fh:  # survives an interrupted run
+            fh.write(json.dumps({"context": L, "batch": B, "cell": res, "command": " ".join(sys.argv)}) + "\n")
         log(f"  L={L} B={B}: " + ", ".join(f"{n} {r['tokens_per_s']:.2f} tok/s ({r['ratio_vs_uncompressed']:.2f}x)"
                                            for n, r in res.items() if isinstance(r, dict)) + f"; meter {res['meter_overhead']:.3f}x")
         del variants
         gc.collect()
     return out, exact
+
+
+def cells_from_log(text):
+    """{context: {"B=b": {variant: {"tokens_per_s", "ratio_vs_uncompressed"}, "meter_overhead"}}} from the
+    "L=... B=...:" lines this script logs (an earlier run that did not reach the end)."""
+    import re
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"\s*L=(\d+) B=(\d+): (.*); meter ([0-9.]+)x$", line)
+        if not m:
+            continue
+        cell = {"from_log": True, "meter_overhead": float(m.group(4))}
+        for part in m.group(3).split("), "):
+            v = re.match(r"(.+) ([0-9.]+) tok/s \(([0-9.]+)x\)?$", part.strip())
+            if v:
+                cell[v.group(1)] = {"tokens_per_s": float(v.group(2)), "ratio_vs_uncompressed": float(v.group(3))}
+        out.setdefault(int(m.group(1)), {})[f"B={m.group(2)}"] = cell
+    return out
 
 
 # ---- peak memory (child processes) ----
@@ -209,7 +229,7 @@ def plot(doc, path):
     fig, axes = plt.subplots(1, len(doc["batches"]), figsize=(6 * len(doc["batches"]), 4.2), squeeze=False)
     for ax, B in zip(axes[0], doc["batches"]):
         names = list(doc["contexts"][str(doc["context_tokens"][0])][f"B={B}"])
-        for name in [n for n in names if n != "meter_overhead"]:
+        for name in [n for n in names if n not in ("meter_overhead", "from_log")]:
             xs = doc["context_tokens"]
             ys = [doc["contexts"][str(L)][f"B={B}"][name]["tokens_per_s"] for L in xs]
             ax.plot(xs, ys, marker="o", label=name)
@@ -232,6 +252,9 @@ def main(argv=None):
     ap.add_argument("--memory", action="store_true", help="peak RSS per variant at the largest context (child processes)")
     ap.add_argument("--quanto", action="store_true", help="add transformers' QuantizedCache (optimum-quanto must import)")
     ap.add_argument("--out", default=str(ROOT / "results" / "decode_speed.json"))
+    ap.add_argument("--merge-log", default=None,
+                    help="a log of an earlier run of this script: its cells (per context and batch, all ratios "
+                         "from that run) are added for the contexts this run does not measure")
     ap.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--memory-file", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -266,6 +289,13 @@ def main(argv=None):
     res, last = {}, None
     for L in contexts:
         res[str(L)], last = run_context(model, tok, L, batches, args.steps, args.quanto, log)
+    merged = {}
+    if args.merge_log:
+        merged = cells_from_log(Path(args.merge_log).read_text())
+        for L, cells in merged.items():
+            if str(L) not in res:
+                res[str(L)] = cells
+        contexts = sorted(int(L) for L in res)
     memory = None
     if args.memory:
         memory = measure_memory(last, ["uncompressed", "int8 certified", "int8 (no certificate)", "int8 certified (meter)"],
@@ -287,9 +317,13 @@ def main(argv=None):
         for B in batches:
             r = res[str(L)][f"B={B}"]
             for name, v in r.items():
-                if isinstance(v, dict):
+                if isinstance(v, dict) and "tokens_per_s" in v:
                     rows.append([str(L), str(B), name, f"{v['tokens_per_s']:.2f}", f"{v['ratio_vs_uncompressed']:.2f}x"])
             rows.append([str(L), str(B), "meter overhead (int8 certified / int8 no certificate)", "", f"{r['meter_overhead']:.3f}x"])
+    if args.merge_log:
+        command += f"  (cells of contexts {sorted(merged)} from the log of an earlier run, {args.merge_log}: " \
+                   f"that run's command: python -m benchmarks.decode_speed --contexts 1024,4096,8192 --batches 1,4 --steps 4 --memory, " \
+                   f"stopped after them to leave time for 8k)"
     doc = {"command": command, "machine": mach, "transformers": transformers.__version__, "steps": args.steps,
            "context_tokens": contexts, "batches": batches, "contexts": res, "memory": memory,
            "quanto": "included" if args.quanto else (quanto_note or "not requested (--quanto)"),

@@ -252,9 +252,13 @@ def _certificate(stats, NB, N, D):
 
 def _strides(t, name):
     """(base, b-stride, h-stride) in elements for t [B, Hkv, N, ...] with each (b, h) block contiguous."""
-    if t.numel() and not t[0, 0].is_contiguous():
-        raise ValueError(f"{name}: each [N, ...] block must be contiguous")
-    return t.data_ptr(), t.stride(0) if t.shape[0] > 1 else 0, t.stride(1) if t.shape[1] > 1 else 0
+    shape, st = t.shape, t.stride()
+    want = 1
+    for i in range(t.dim() - 1, 1, -1):  # the [N, ...] block: row-major strides (size-1 dims are free)
+        if shape[i] > 1 and st[i] != want:
+            raise ValueError(f"{name}: each [N, ...] block must be contiguous")
+        want *= shape[i]
+    return t.data_ptr(), st[0] if shape[0] > 1 else 0, st[1] if shape[1] > 1 else 0
 
 
 def seg(Hkv, n, *, k=None, v=None, k_scales=None, v_scales=None, rho=None, valid=None, exact=None, pos=None):
