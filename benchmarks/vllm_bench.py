@@ -85,7 +85,7 @@ def main(argv=None):
            "command": "python -m benchmarks.vllm_bench " + " ".join(argv if argv is not None else sys.argv[1:]),
            "model": "SmolLM2-135M-Instruct (fp32)", "note": (
                "vLLM's CPU backend refuses fp8 KV caches without AVX-512/AMX; the plugin applies vLLM's fp8 cast "
-               "(fast.integrations.vllm_fp8) and stores the decoded values in vLLM's fp32 paged cache, so speed "
+               "(fast.core.quant fp8_*_rtz, = fast.integrations.vllm_fp8) and stores the decoded values in vLLM's fp32 paged cache, so speed "
                "numbers compare certificate cost, not fp8 memory savings")}
     speed = {}
     llm = _plain_engine(model)
