@@ -202,6 +202,8 @@ void run(const Args& a) {
         for (int64_t t = 0; t < T; ++t)
             for (int64_t g = 0; g < G; ++g)
                 std::memcpy(&qr[(t * G + g) * D], a.q + ((b * T + t) * H + h * G + g) * D, D * 4);
+        std::vector<int64_t> qpr((size_t)R);  // the position of each row (no division in the token loop)
+        for (int64_t r = 0; r < R; ++r) qpr[r] = a.qpos[b * T + r / G];
         float kf[512];
         uint8_t* okr = OK + (b * Hkv + h) * R * N;  // readable mask, reused by pass 2
         for (int64_t j = j0; j < j1; ++j) {
@@ -215,12 +217,14 @@ void run(const Args& a) {
                 // fl(q . k~): 8 lane accumulators, then a fixed tree (any order is inside gamma_D)
                 const float* qq = &qr[r * D];
                 float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-                for (int64_t d = 0; d < D; d += 8)
+                for (int64_t d = 0; d < D; d += 8) {
+#pragma omp simd
                     for (int l = 0; l < 8; ++l) acc[l] = std::fma(qq[d + l], kr[d + l], acc[l]);
+                }
                 const float x = (((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))) * a.s;
                 lg[r * N + j] = x;
                 nan_acc += x * 0.0f;
-                okr[r * N + j] = vj && pj <= a.qpos[b * T + r / G];
+                okr[r * N + j] = vj && pj <= qpr[r];
             }
         }
         // row maxima over the readable tokens of this chunk
