@@ -175,10 +175,10 @@ def memory_child(variant, path, steps):
     from fast.integrations.hf_meter import set_current
     from fast.tools.cli import load
     model, _ = load()
-    saved = torch.load(path)
+    saved = torch.load(path, mmap=True)  # file-backed: unmapped once the tensors are dropped
     exact = DynamicCache(config=model.config)
     for layer, (k, v) in enumerate(saved):
-        exact.update(k, v, layer)
+        exact.update(k.clone(), v.clone(), layer) if variant == "uncompressed" else exact.update(k, v, layer)
     del saved
     attn = "sdpa"
     if variant == "uncompressed":
@@ -189,16 +189,20 @@ def memory_child(variant, path, steps):
                                  "int8 certified (meter)": (CertifiedCache, "int8", {}, "kvcert")}[variant]
         cache = cls(model.config, scheme, **kw).fill_from(exact)
         del exact
+    model.set_attn_implementation(attn)
+    x = torch.tensor([[42]])
+
+    def step():
+        set_current(None)
+        with torch.no_grad():
+            model(input_ids=x, past_key_values=cache, use_cache=True)
+    step()  # steady state: buffers of the build (the prefill, the tail's pre-flush storage) are released
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     rss0 = _status("VmRSS")
-    model.set_attn_implementation(attn)
-    x = torch.tensor([[42]])
-    with torch.no_grad():
-        for _ in range(steps):
-            set_current(None)
-            model(input_ids=x, past_key_values=cache, use_cache=True)
+    for _ in range(steps):
+        step()
     print(json.dumps({"variant": variant, "rss_before_decode": rss0, "peak_rss": _status("VmHWM"),
                       "rss_after": _status("VmRSS")}))
 
@@ -222,6 +226,43 @@ def measure_memory(exact, variants, steps, log):
     return out
 
 
+def memory_only(args, argv):
+    """Peak RSS children from a saved prefill; writes doc["memory"] of --out (the rest is kept)."""
+    from transformers import DynamicCache
+
+    from fast.integrations.hf_fused import FusedCertifiedCache
+    from fast.tools.cli import load
+    variants = ["uncompressed", "int8 certified", "int8 (no certificate)", "int8 certified (meter)"]
+    children = {}
+    for v in variants:
+        r = subprocess.run([sys.executable, "-m", "benchmarks.decode_speed", "--memory-child", v, "--memory-file",
+                            args.memory_from, "--steps", "3"], cwd=ROOT, capture_output=True, text=True)
+        line = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+        if r.returncode or not line:
+            raise RuntimeError(f"memory child {v} failed:\n{r.stderr[-2000:]}")
+        children[v] = json.loads(line[-1])
+        print(f"peak RSS {v}: {children[v]['peak_rss'] / 2**20:.0f} MiB", flush=True)
+    model, _ = load()
+    saved = torch.load(args.memory_from, mmap=True)
+    exact = DynamicCache(config=model.config)
+    for layer, (k, v) in enumerate(saved):
+        exact.update(k, v, layer)
+    probe = FusedCertifiedCache(model.config, "int8").fill_from(exact)
+    fp32_bytes = sum(s.keys.nbytes + s.values.nbytes for s in exact.layers)
+    mem = {"context_tokens": exact.layers[0].keys.shape[2], "children": children, "fp32_cache_bytes": fp32_bytes,
+           "int8_cache_device_bytes": probe.memory()["device_bytes"],
+           "cache_bytes_saved": fp32_bytes - probe.memory()["device_bytes"],
+           "peak_saved_vs_uncompressed": {v: children["uncompressed"]["peak_rss"] - m["peak_rss"] for v, m in children.items()},
+           "command": "python -m benchmarks.decode_speed " + " ".join(sys.argv[1:] if argv is None else argv),
+           "method": "one child process per variant: model + saved prefill (mmap), cache built, one decode step, "
+                     "buffers released (gc, malloc_trim), VmHWM reset (/proc/self/clear_refs 5), 3 decode steps; "
+                     "peak_rss = VmHWM"}
+    doc = json.loads(Path(args.out).read_text())
+    doc["memory"] = mem
+    Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+    return 0
+
+
 def plot(doc, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -231,12 +272,13 @@ def plot(doc, path):
         names = list(doc["contexts"][str(doc["context_tokens"][0])][f"B={B}"])
         for name in [n for n in names if n not in ("meter_overhead", "from_log")]:
             xs = doc["context_tokens"]
-            ys = [doc["contexts"][str(L)][f"B={B}"][name]["tokens_per_s"] for L in xs]
+            ys = [doc["contexts"][str(L)][f"B={B}"][name]["ratio_vs_uncompressed"] for L in xs]
             ax.plot(xs, ys, marker="o", label=name)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context tokens")
-        ax.set_ylabel("decode tokens/s")
-        ax.set_title(f"SmolLM2-135M, CPU, batch {B}")
+        ax.set_ylabel("decode tokens/s / uncompressed (same cell)")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_title(f"SmolLM2-135M, CPU, batch {B} (machine load varies between cells:\nratios, not tokens/s)", fontsize=9)
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
@@ -255,12 +297,20 @@ def main(argv=None):
     ap.add_argument("--merge-log", default=None,
                     help="a log of an earlier run of this script: its cells (per context and batch, all ratios "
                          "from that run) are added for the contexts this run does not measure")
+    ap.add_argument("--memory-from", default=None, help="only the peak-memory children, from this saved prefill "
+                    "(torch.save([(keys, values)] per layer)); the result replaces 'memory' in --out")
+    ap.add_argument("--replot", action="store_true", help="only redraw the plot from --out")
     ap.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--memory-file", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.memory_child:
         memory_child(args.memory_child, args.memory_file, args.steps)
+        return 0
+    if args.memory_from:
+        return memory_only(args, argv)
+    if args.replot:
+        plot(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png"))
         return 0
     import transformers
 
