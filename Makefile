@@ -40,8 +40,10 @@ proofs: coq
 test: install proofs
 	$(PY) -m pytest -q -p no:cacheprovider conformance tests
 
+# The main job on the shipped SmolLM2: the transformers path (certified cache, gate, eviction), then vLLM.
 demo: install
 	$(PY) -m fast.tools.cli demo
+	$(PY) -m fast.integrations.vllm
 
 # vLLM (CPU, eager) on SmolLM2 with vLLM's fp8 cast, a certificate for every read, the gate.
 demo-vllm: install
