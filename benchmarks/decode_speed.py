@@ -271,7 +271,7 @@ def plot(doc, path):
     for ax, B in zip(axes[0], doc["batches"]):
         names = list(doc["contexts"][str(doc["context_tokens"][0])][f"B={B}"])
         for name in [n for n in names if n not in ("meter_overhead", "from_log")]:
-            xs = doc["context_tokens"]
+            xs = [L for L in doc["context_tokens"] if name in doc["contexts"][str(L)][f"B={B}"]]
             ys = [doc["contexts"][str(L)][f"B={B}"][name]["ratio_vs_uncompressed"] for L in xs]
             ax.plot(xs, ys, marker="o", label=name)
         ax.set_xscale("log", base=2)
@@ -339,7 +339,7 @@ def main(argv=None):
     res, last = {}, None
     for L in contexts:
         res[str(L)], last = run_context(model, tok, L, batches, args.steps, args.quanto, log)
-    merged = {}
+    merged, measured = {}, set(res)
     if args.merge_log:
         merged = cells_from_log(Path(args.merge_log).read_text())
         for L, cells in merged.items():
@@ -358,6 +358,8 @@ def main(argv=None):
                   "cache_bytes_saved": fp32_bytes - probe.memory()["device_bytes"]}
         memory["peak_saved_vs_uncompressed"] = {v: memory["children"]["uncompressed"]["peak_rss"] - m["peak_rss"]
                                                 for v, m in memory["children"].items()}
+    if memory is None and args.merge_log and Path(args.out).exists():  # keep the earlier run's measured peak RSS
+        memory = json.loads(Path(args.out).read_text()).get("memory")
     command = "python -m benchmarks.decode_speed " + " ".join(sys.argv[1:] if argv is None else argv)
     mach = machine()
     mach["torch_threads"] = torch.get_num_threads()
@@ -371,9 +373,8 @@ def main(argv=None):
                     rows.append([str(L), str(B), name, f"{v['tokens_per_s']:.2f}", f"{v['ratio_vs_uncompressed']:.2f}x"])
             rows.append([str(L), str(B), "meter overhead (int8 certified / int8 no certificate)", "", f"{r['meter_overhead']:.3f}x"])
     if args.merge_log:
-        command += f"  (cells of contexts {sorted(merged)} from the log of an earlier run, {args.merge_log}: " \
-                   f"that run's command: python -m benchmarks.decode_speed --contexts 1024,4096,8192 --batches 1,4 --steps 4 --memory, " \
-                   f"stopped after them to leave time for 8k)"
+        command += f"  (cells of contexts {sorted(int(L) for L in merged if str(L) not in measured)} from the log of " \
+                   f"an earlier run of this script, {args.merge_log}; memory: from --out's earlier run)"
     doc = {"command": command, "machine": mach, "transformers": transformers.__version__, "steps": args.steps,
            "context_tokens": contexts, "batches": batches, "contexts": res, "memory": memory,
            "quanto": "included" if args.quanto else (quanto_note or "not requested (--quanto)"),
