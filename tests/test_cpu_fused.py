@@ -215,3 +215,25 @@ def test_bad_input_one_value_error(what):
         v = fast.quantize(torch.randn(1, 1, 9, 32), "int8")
     with pytest.raises(ValueError):
         cpu_fused.attention_rows(q, k, v, None, 0.125, bands=bands, q_pos=qp, valid=valid)
+
+
+def test_logit_rounding_covers_subnormal_products():
+    """Regression (spec T8e, proofs/FloatDot.v): products q_i k_i below the normal range round
+    with an ABSOLUTE error that no relative term covers. The kernel's e (stats[..., 4]) must be
+    >= the proved bound reference.floats.logit_rounding_bound (relative + absolute part) on
+    fp32 rows whose products are all subnormal (q = k = 2^-70): before the fix e was ~0."""
+    from reference import floats as ref_floats
+    B, T, Hkv, G, N, D, NB = 1, 1, 1, 1, 4, 64, 8
+    q = torch.full((B, T, Hkv * G, D), 2.0 ** -70)
+    k = torch.full((B, Hkv, N, D), 2.0 ** -70)
+    v = torch.randn(B, Hkv, N, D, generator=torch.Generator().manual_seed(0))
+    s = 0.125
+    bands = fast.rope_bands(D, NB).to(torch.int64).contiguous()
+    rho = torch.zeros(B, Hkv, N, NB)
+    s0 = cpu_fused.seg(Hkv, N, k=k.contiguous(), v=v.contiguous(), rho=rho.contiguous())
+    _, stats = cpu_fused._run(q.contiguous(), torch.full((B, T), N - 1, dtype=torch.int32), [s0, cpu_fused.seg(Hkv, 0)],
+                              s, bands, 1, 1, True)
+    rel, absolute = ref_floats.logit_rounding_bound([float(x) for x in q[0, 0, 0]], [float(x) for x in k[0, 0, 0]], s)
+    bound = (rel + absolute).b  # the interval's upper end
+    e = stats[0, 0, 0, 4].item()
+    assert mpf(e) >= bound, (e, str(rel), str(absolute))

@@ -40,7 +40,7 @@ Floating point (math.md T8, matching csrc/cpu_fused.cpp line by line).
   with the D-term dot product in 8 fma lanes and a fixed tree: gamma_D (any order), one rounding for
   s: within gamma_{D+1} of s sum_i |q_i| |k~_i|, inside the twin's e = s (D + 4) u32 (1.01)
   sum_i |q_i| kmax_i (fast.core.certify.logit_rounding), which the kernel evaluates the same way in
-  fp64 (last product one ulp up) with kmax_i = max(127 (1 + 2^-23) x the largest fp16 scale of
+  fp64 (last product one ulp up, plus T8e's absolute term (2.03 D s + 1) 2^-150 for subnormal products) with kmax_i = max(127 (1 + 2^-23) x the largest fp16 scale of
   channel i over the codes, the largest |k_i| of the fp32 rows): the bound QTensor.max_abs uses.
 - Weights: w = kv_exp(fl(x - m)), m the max over the readable tokens of the row (one max for all
   chunks). kv_exp (Cody-Waite + degree-7 Taylor, fma) is checked EXHAUSTIVELY against fp64 exp on

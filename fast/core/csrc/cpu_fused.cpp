@@ -377,7 +377,9 @@ void run(const Args& a) {
                 }
                 double* st = a.stats + ((b * T + t) * H + hq) * 5;
                 st[0] = z; st[1] = s1; st[2] = s2; st[3] = cm;
-                st[4] = std::nextafter(a.s64 * qk * a.e_coef, INFINITY);
+                // + (2.03 D s + 1) 2^-150: products below the normal range round with an absolute error
+                // (proofs/FloatDot.v logit_rounding_le_code_f32, spec T8e; 2.03 > 2.02 pays for this line's fp64 roundings)
+                st[4] = std::nextafter(a.s64 * qk * a.e_coef + (2.03 * (double)D * a.s64 + 1.0) * 0x1p-150, INFINITY);
             }
         }
     }
