@@ -301,6 +301,9 @@ def attention_torch(q, k, v, rho, s, bands, valid, exact, certify=True, dense=No
         return out, None
     q64 = q.to(torch.float64).cpu().numpy()  # [B, H]-sized work runs in numpy
     e = logit_rounding_np(q64, (max_abs(k) if kmax is None else kmax).cpu().numpy(), s)
+    if isinstance(kx, tuple):  # fl(fl(fl(q . m) sc) s32): the absolute part grows with the scale
+        sc_max = float(kx[1].max()) if kx[1].numel() else 0.0  # (FloatDot.v logit_rounding_le_code_f32_scaled)
+        e = _up(e + (2.03 * D * s * sc_max + 1.02 * s) * 2.0 ** -150)
     cert = None
     if N >= F32_MIN_N:
         c, cmax = witness_bounds(q, q64, k, rho, bands, s, valid, exact, torch.float32)
