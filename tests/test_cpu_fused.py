@@ -237,3 +237,58 @@ def test_logit_rounding_covers_subnormal_products():
     bound = (rel + absolute).b  # the interval's upper end
     e = stats[0, 0, 0, 4].item()
     assert mpf(e) >= bound, (e, str(rel), str(absolute))
+
+
+def _has_avx2():
+    try:
+        return " avx2 " in open("/proc/cpuinfo").read().replace("\n", " ")
+    except OSError:
+        return False
+
+
+def test_vector_build_is_the_vector_one():
+    """The bit-identity test below compares the AVX2 build with the scalar one; on an AVX2 machine the
+    default build must really contain the AVX2 paths (else the comparison would be scalar vs scalar)."""
+    assert cpu_fused._lib(scalar=True).kvcert_fused_avx2() == 0
+    assert cpu_fused._lib().kvcert_fused_avx2() == int(_has_avx2())
+
+
+SEGS = st.fixed_dictionaries({
+    "seed": st.integers(0, 2**31 - 1), "B": st.integers(1, 2), "T": st.integers(1, 3), "Hkv": st.integers(1, 2),
+    "G": st.integers(1, 3), "N0": st.integers(0, 45), "N1": st.integers(1, 12), "D": st.sampled_from([64, 80, 144]),
+    "groups": st.sampled_from([1, 2, 8]), "holes": st.booleans(), "certify": st.booleans(), "mag": st.sampled_from([1e-3, 1.0, 30.0])})
+
+
+@settings(max_examples=30, deadline=None)
+@given(case=SEGS)
+def test_vector_paths_same_bits_as_scalar(case):
+    """The AVX2 blocks of pass 1 (8 tokens, hadd transpose) and the register accumulators of pass 2
+    run the scalar code's operations in its order: output and stats equal bit for bit, on two segments
+    (int8 codes with packed witness + fp32 tail with positions), token counts off the block size,
+    D beyond one 64-channel block, holes in the valid mask, T causal rows."""
+    g = torch.Generator().manual_seed(case["seed"])
+    B, T, Hkv, G, N0, N1, D = (case[x] for x in ("B", "T", "Hkv", "G", "N0", "N1", "D"))
+    NB, H = 8, Hkv * G
+    bands = fast.rope_bands(D, NB)
+    k, v = torch.randn(B, Hkv, N0, D, generator=g), torch.randn(B, Hkv, N0, D, generator=g)
+    kq = fast.quantize(k, "int8", group_size=D // case["groups"])
+    vq = fast.quantize(v, "int8", group_size=D // case["groups"])
+    rho = fast.pack_witness(fast.witness(k, fast.dequantize(kq), bands)).contiguous()
+    valid = torch.ones(B, Hkv, N0, dtype=torch.uint8)
+    if case["holes"] and N0:
+        valid[..., torch.randperm(N0, generator=g)[: N0 // 3]] = 0
+    s0 = cpu_fused.seg(Hkv, N0, k=kq.codes.contiguous(), v=vq.codes.contiguous(), k_scales=kq.scales.contiguous().view(torch.int16),
+                       v_scales=vq.scales.contiguous().view(torch.int16), rho=rho, valid=valid) if N0 else cpu_fused.seg(Hkv, 0)
+    k1, v1 = torch.randn(B, Hkv, N1, D, generator=g), torch.randn(B, Hkv, N1, D, generator=g)
+    pos = torch.arange(N0, N0 + N1, dtype=torch.int32).view(1, 1, N1).expand(B, Hkv, N1).contiguous()
+    s1 = cpu_fused.seg(Hkv, N1, k=k1, v=v1, pos=pos, valid=torch.ones(B, Hkv, N1, dtype=torch.uint8))
+    q = (torch.randn(B, T, H, D, generator=g) * case["mag"]).contiguous()
+    qpos = (N0 + N1 - T + torch.arange(T, dtype=torch.int32)).view(1, T).expand(B, T).contiguous()
+    from fast.core.witness import _log_table
+    lut = _log_table("cpu").to(torch.float32).contiguous()
+    b64 = bands.to(torch.int64).contiguous()
+    got = [cpu_fused._run(q, qpos, [s0, s1], D ** -0.5, b64, case["groups"] if N0 else 1, case["groups"] if N0 else 1,
+                          case["certify"], lut, scalar=sc) for sc in (False, True)]
+    rep = f"case {json.dumps(case)}"
+    assert torch.equal(got[0][0], got[1][0]), "output differs: " + rep
+    assert torch.equal(got[0][1], got[1][1]), "stats differ: " + rep

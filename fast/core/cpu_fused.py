@@ -114,7 +114,7 @@ class _Args(ctypes.Structure):
                 ("threads", ctypes.c_int), ("chunk", ctypes.c_int64)]
 
 
-_LIB = []
+_LIB = {}
 
 
 def _cache_dir():
@@ -122,17 +122,19 @@ def _cache_dir():
     return Path(d)
 
 
-def build(verbose=False):
-    """Compile csrc/cpu_fused.cpp (once per source and flags) and return the .so path."""
+def build(verbose=False, scalar=False):
+    """Compile csrc/cpu_fused.cpp (once per source and flags) and return the .so path. scalar=True
+    builds without the AVX2 paths (-DKVCERT_SCALAR): the same bits, used by the tests to check that."""
     src = SRC.read_bytes()
-    key = hashlib.sha256(src + " ".join(FLAGS).encode() + sys.version.encode()).hexdigest()[:16]
+    flags = FLAGS + (["-DKVCERT_SCALAR"] if scalar else [])
+    key = hashlib.sha256(src + " ".join(flags).encode() + sys.version.encode()).hexdigest()[:16]
     out = _cache_dir() / f"kvcert_fused_{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [os.environ.get("CXX", "g++"), *FLAGS, str(SRC), "-o", tmp]
+    cmd = [os.environ.get("CXX", "g++"), *flags, str(SRC), "-o", tmp]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         os.unlink(tmp)
@@ -143,17 +145,17 @@ def build(verbose=False):
     return out
 
 
-def _lib():
-    if not _LIB:
-        lib = ctypes.CDLL(str(build()))
+def _lib(scalar=False):
+    if scalar not in _LIB:
+        lib = ctypes.CDLL(str(build(scalar=scalar)))
         lib.kvcert_fused_run.argtypes = [ctypes.POINTER(_Args)]
         lib.kvcert_fused_run.restype = None
         lib.kvcert_exp_check.argtypes = [ctypes.c_float, ctypes.POINTER(ctypes.c_double), ctypes.c_int]
         lib.kvcert_exp_check.restype = ctypes.c_double
         lib.kvcert_exp_one.argtypes = [ctypes.c_float]
         lib.kvcert_exp_one.restype = ctypes.c_float
-        _LIB.append(lib)
-    return _LIB[0]
+        _LIB[scalar] = lib
+    return _LIB[scalar]
 
 
 def available():
@@ -201,7 +203,7 @@ def _sums_to_pmz(stats, NB, N):
     return np.stack([z, p, m]), cm
 
 
-def _run(q, qpos, segs, s, bands, ngk, ngv, certify, lut=None):
+def _run(q, qpos, segs, s, bands, ngk, ngv, certify, lut=None, scalar=False):
     """Call the kernel. q [B, T, H, D] fp32 contiguous; qpos [B, T] int32; segs: two results of seg();
     bands [NB, W] int64 contiguous. Returns out [B, T, H, D] fp32, stats [B, T, H, 5] fp64
     (Z, S1, S2, max c^, e). NaN/Inf: ValueError."""
@@ -215,7 +217,7 @@ def _run(q, qpos, segs, s, bands, ngk, ngv, certify, lut=None):
     a.seg[0], a.seg[1] = segs[0]["c"], segs[1]["c"]
     a.out, a.stats, a.kmax, a.nanflag = out.data_ptr(), stats.data_ptr(), scratch[0].data_ptr(), scratch[1].data_ptr()
     a.certify, a.threads, a.chunk = int(certify), torch.get_num_threads(), CHUNK
-    _lib().kvcert_fused_run(ctypes.byref(a))
+    _lib(scalar).kvcert_fused_run(ctypes.byref(a))
     nan_k, nan_v = scratch[1].view(-1)[:2].tolist()
     if not math.isfinite(nan_k):
         raise ValueError("k or q: non-finite logits (NaN/Inf in q, the key cache or its scales, or logits overflow fp32)")

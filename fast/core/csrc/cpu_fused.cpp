@@ -18,6 +18,16 @@
 #include <omp.h>
 #endif
 
+// The AVX2 paths (blocks of 8 key tokens in pass 1, register accumulators for the output in pass 2)
+// compute the same operations in the same order as the scalar code beside them, so both give the
+// same bits (tests/test_cpu_fused.py builds both and compares): -DKVCERT_SCALAR forces the scalar code.
+#if defined(__AVX2__) && defined(__FMA__) && !defined(KVCERT_SCALAR)
+#define KVCERT_AVX2 1
+#include <immintrin.h>
+#else
+#define KVCERT_AVX2 0
+#endif
+
 namespace {
 
 constexpr float LOG2E = 1.44269504088896341f;
@@ -114,7 +124,7 @@ inline int64_t tok_pos(const Seg& sg, int64_t b, int64_t h, int64_t j, int64_t p
 
 // Row jj of a segment's keys (values = false) or values, as fp32: code * scale (exact in fp32: 8-bit code,
 // 11-bit fp16 scale) written into buf, or a pointer to the fp32 row. smax (keys only, may be null):
-// per channel max of the scales (codes) or of |k| (fp32 rows, at smax + D).
+// per group max of the scales (codes: smax[g]) or per channel max of |k| (fp32 rows: smax[D + d]).
 inline const float* seg_row(const Seg& sg, bool values, int64_t b, int64_t h, int64_t jj, int64_t D, int64_t ng,
                             float* buf, float* smax) {
     const void* base = values ? sg.v : sg.k;
@@ -132,8 +142,7 @@ inline const float* seg_row(const Seg& sg, bool values, int64_t b, int64_t h, in
         const float sv = half_to_float(sc[g]);
 #pragma omp simd
         for (int64_t d = g * gw; d < (g + 1) * gw; ++d) buf[d] = (float)code[d] * sv;
-        if (smax)
-            for (int64_t d = g * gw; d < (g + 1) * gw; ++d) smax[d] = std::max(smax[d], sv);
+        if (smax) smax[g] = std::max(smax[g], sv);  // per group; the caller spreads it over the group's channels
     }
     return buf;
 }
@@ -204,13 +213,57 @@ void run(const Args& a) {
                 std::memcpy(&qr[(t * G + g) * D], a.q + ((b * T + t) * H + h * G + g) * D, D * 4);
         std::vector<int64_t> qpr((size_t)R);  // the position of each row (no division in the token loop)
         for (int64_t r = 0; r < R; ++r) qpr[r] = a.qpos[b * T + r / G];
-        float kf[512];
+        float kf[512], gm[512];
+        for (int64_t g = 0; g < a.ngk; ++g) gm[g] = 0.0f;
         uint8_t* okr = OK + (b * Hkv + h) * R * N;  // readable mask, reused by pass 2
-        for (int64_t j = j0; j < j1; ++j) {
+        int64_t j = j0;
+#if KVCERT_AVX2
+        // blocks of 8 quantized tokens: dequantize them into kb (exact, as seg_row), then per row 8
+        // accumulators of 8 lanes (lane l sums d = l, l + 8, ... by fma in order, as the scalar loop) and
+        // the lanes of the 8 tokens added in one transpose (hadd): ((a0+a1)+(a2+a3))+((a4+a5)+(a6+a7)),
+        // the scalar tree.
+        alignas(32) float kb[8 * 512];
+        __m256 nanv = _mm256_setzero_ps();
+        const __m256 sv8 = _mm256_set1_ps(a.s);
+        for (; j + 8 <= std::min(j1, N0); j += 8) {
+            const Seg& sg = a.seg[0];
+            uint8_t vj[8];
+            int64_t pj[8];
+            const float* kp[8];  // kb + t D (codes) or the fp32 row itself
+            for (int t = 0; t < 8; ++t) {
+                kp[t] = seg_row(sg, false, b, h, j + t, D, sg.is_int8 ? a.ngk : 1, kb + t * D, sg.is_int8 ? gm : km);
+                vj[t] = !sg.valid || sg.valid[b * sg.va_sb + h * sg.va_sh + j + t];
+                pj[t] = tok_pos(sg, b, h, j + t, 0);
+            }
+            for (int64_t r = 0; r < R; ++r) {
+                const float* qq = &qr[r * D];
+                __m256 acc[8];
+                for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
+                for (int64_t d = 0; d < D; d += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qq + d);
+                    for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[t] + d), acc[t]);
+                }
+                const __m256 h01 = _mm256_hadd_ps(acc[0], acc[1]), h23 = _mm256_hadd_ps(acc[2], acc[3]);
+                const __m256 h45 = _mm256_hadd_ps(acc[4], acc[5]), h67 = _mm256_hadd_ps(acc[6], acc[7]);
+                const __m256 h03 = _mm256_hadd_ps(h01, h23), h47 = _mm256_hadd_ps(h45, h67);
+                const __m256 dot = _mm256_add_ps(_mm256_permute2f128_ps(h03, h47, 0x20), _mm256_permute2f128_ps(h03, h47, 0x31));
+                const __m256 x = _mm256_mul_ps(dot, sv8);
+                _mm256_storeu_ps(lg + r * N + j, x);
+                nanv = _mm256_add_ps(nanv, _mm256_mul_ps(x, _mm256_setzero_ps()));
+                for (int t = 0; t < 8; ++t) okr[r * N + j + t] = vj[t] && pj[t] <= qpr[r];
+            }
+        }
+        {
+            alignas(32) float nn[8];
+            _mm256_store_ps(nn, nanv);
+            for (int t = 0; t < 8; ++t) nan_acc += nn[t];
+        }
+#endif
+        for (; j < j1; ++j) {
             const bool quant = j < N0;
             const Seg& sg = a.seg[quant ? 0 : 1];
             const int64_t jj = quant ? j : j - N0;
-            const float* kr = seg_row(sg, false, b, h, jj, D, quant ? a.ngk : 1, kf, km);
+            const float* kr = seg_row(sg, false, b, h, jj, D, quant ? a.ngk : 1, kf, sg.is_int8 ? gm : km);
             const bool vj = !sg.valid || sg.valid[b * sg.va_sb + h * sg.va_sh + jj];
             const int64_t pj = tok_pos(sg, b, h, jj, quant ? 0 : N0);
             for (int64_t r = 0; r < R; ++r) {
@@ -227,6 +280,8 @@ void run(const Args& a) {
                 okr[r * N + j] = vj && pj <= qpr[r];
             }
         }
+        for (int64_t g = 0; g < a.ngk; ++g)
+            for (int64_t d = g * (D / a.ngk); d < (g + 1) * (D / a.ngk); ++d) km[d] = std::max(km[d], gm[g]);
         // row maxima over the readable tokens of this chunk
         float* pm = PMAX + it * R;
         for (int64_t r = 0; r < R; ++r) {
@@ -320,6 +375,41 @@ void run(const Args& a) {
         // output: o_r += w_rj v~_j (v~ = code * scale, exact in fp32)
         float* po = POUT + it * R * D;
         std::fill(po, po + R * D, 0.0f);
+#if KVCERT_AVX2
+        // the chunk's values dequantized once (exact), then per row and 64 channels 8 register
+        // accumulators over the tokens in order: the same fma sequence per (row, channel) as below
+        static thread_local std::vector<float> vbuf;
+        vbuf.resize((size_t)(L * D));
+        float* VB = vbuf.data();
+        for (int64_t j = j0; j < j1; ++j) {
+            const bool quant = j < N0;
+            const Seg& sg = a.seg[quant ? 0 : 1];
+            const int64_t jj = quant ? j : j - N0;
+            float* dst = VB + (j - j0) * D;
+            const float* vr = seg_row(sg, true, b, h, jj, D, quant ? a.ngv : 1, dst, nullptr);
+            if (vr != dst) std::memcpy(dst, vr, D * 4);
+        }
+        for (int64_t r = 0; r < R; ++r) {
+            const float* wr = lg + r * N + j0;
+            for (int64_t d0 = 0; d0 < D; d0 += 64) {
+                const int nc = (int)(std::min<int64_t>(64, D - d0) / 8);
+                __m256 acc[8];
+                for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
+                for (int64_t j = 0; j < L; ++j) {
+                    const float w = wr[j];
+                    if (w == 0.0f) continue;
+                    const __m256 wv = _mm256_set1_ps(w);
+                    const float* vr = VB + j * D + d0;
+                    if (nc == 8) {
+                        for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+                    } else {
+                        for (int c = 0; c < nc; ++c) acc[c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+                    }
+                }
+                for (int c = 0; c < nc; ++c) _mm256_storeu_ps(po + r * D + d0 + 8 * c, acc[c]);
+            }
+        }
+#else
         float vf[512];
         for (int64_t j = j0; j < j1; ++j) {
             const bool quant = j < N0;
@@ -334,6 +424,7 @@ void run(const Args& a) {
                 for (int64_t d = 0; d < D; ++d) orow[d] = std::fma(w, vr[d], orow[d]);
             }
         }
+#endif
     }
 
     // ---- reduce the chunks (fixed order) ----
@@ -392,6 +483,8 @@ void run(const Args& a) {
 extern "C" {
 
 int kvcert_fused_abi() { return 1; }
+
+int kvcert_fused_avx2() { return KVCERT_AVX2; }
 
 void kvcert_fused_run(const Args* a) { run(*a); }
 
