@@ -370,6 +370,8 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(ROOT / "results" / "evict_eval.json"))
     ap.add_argument("--resummarize", default=None, help="only recompute the summary of this results file")
+    ap.add_argument("--resume", action="store_true", help="continue the interrupted run in --out (same settings): "
+                    "keep its records and PAGE taus, run the inputs after them")
     args = ap.parse_args(argv)
     if args.resummarize:
         data = json.loads(Path(args.resummarize).read_text())
@@ -387,16 +389,30 @@ def main(argv=None):
             ap.error(f"--witness-variants: {v!r} is not gN or cN")
         variants[v] = {"group_size": int(v[1:]), "cluster": v[0] == "c"}
     torch.set_num_threads(args.threads)
-    from benchmarks.ruler import examples, natural_source
+    from benchmarks.ruler import examples, resumed
     from fast.integrations.model import load_smollm2
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
     model, tok = load_smollm2()
     t0 = time.time()
-    taus, calib_drops, calib_info = calibrate_taus(model, tok, args)
-    print(f"calibrated PAGE on {calib_info['n']} prompts in {time.time() - t0:.0f}s: {taus}", flush=True)
-    exs = examples(args.n, tasks=tuple(args.tasks), haystacks=tuple(args.haystacks))
-    records = []
+    records, before = [], 0.0
+    if args.resume:
+        keys = ("n", "tasks", "haystacks", "tokens", "budgets", "sinks", "window_frac", "evictors", "witness_variants",
+                "page_evict_rate", "batch", "cert_steps")
+        now = {"n": args.n, "tasks": args.tasks, "haystacks": args.haystacks, "tokens": args.tokens, "budgets": args.budgets,
+               "sinks": args.sinks, "window_frac": args.window_frac, "evictors": args.evictors,
+               "witness_variants": list(variants), "page_evict_rate": args.page_rate, "batch": args.batch,
+               "cert_steps": args.cert_steps}
+        records, before = resumed(args.out, now, keys)
+    if records:
+        old = json.loads(Path(args.out).read_text())
+        taus, calib_drops, calib_info = old["page_tau"], old["page_calib_drops"], old["settings"]["calib"]
+        t0 -= before
+        print(f"resuming {args.out}: {len(records)} inputs done", flush=True)
+    else:
+        taus, calib_drops, calib_info = calibrate_taus(model, tok, args)
+        print(f"calibrated PAGE on {calib_info['n']} prompts in {time.time() - t0:.0f}s: {taus}", flush=True)
+    exs = examples(args.n, tasks=tuple(args.tasks), haystacks=tuple(args.haystacks))[len(records):]
     for batch in batches(exs, args.batch):
         records += run_batch(model, tok, batch, args, variants)
         print(f"[{len(records)}/{args.n}] full {sum(r['full'] for r in records)}/{len(records)}, {time.time() - t0:.0f}s",

@@ -227,6 +227,8 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(ROOT / "results" / "quant_eval.json"))
     ap.add_argument("--resummarize", default=None)
+    ap.add_argument("--resume", action="store_true", help="continue the interrupted run in --out (same settings): "
+                    "keep its records, run the inputs after them")
     args = ap.parse_args(argv)
     if args.resummarize:
         data = json.loads(Path(args.resummarize).read_text())
@@ -238,14 +240,22 @@ def main(argv=None):
     args.gates = args.gates.split(",")
     args.tasks, args.haystacks = args.tasks.split(","), args.haystacks.split(",")
     torch.set_num_threads(args.threads)
-    from benchmarks.ruler import examples, natural_source
+    from benchmarks.ruler import examples, resumed
     from fast.integrations.model import load_smollm2
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
     model, tok = load_smollm2()
     t0 = time.time()
     records = []
-    for ex in examples(args.n, tasks=tuple(args.tasks), haystacks=tuple(args.haystacks), seed0=args.seed0):
+    if args.resume:
+        now = {"n": args.n, "tokens": args.tokens, "tasks": args.tasks, "haystacks": args.haystacks, "schemes": args.schemes,
+               "gates": args.gates, "cert_steps": args.cert_steps, "seed0": args.seed0}
+        records, before = resumed(args.out, now, tuple(now))
+        t0 -= before
+        if records:
+            print(f"resuming {args.out}: {len(records)} inputs done", flush=True)
+    exs = examples(args.n, tasks=tuple(args.tasks), haystacks=tuple(args.haystacks), seed0=args.seed0)
+    for ex in exs[len(records):]:
         records.append(run_input(model, tok, ex, args))
         r = records[-1]
         print(f"[{len(records)}/{args.n}] {ex['task']} full={r['full']} "

@@ -183,3 +183,19 @@ def examples(n, *, tasks=TASKS, seed0=0, haystacks=("synthetic",)):
         hay = haystacks[(i // len(tasks)) % len(haystacks)]
         out.append(make_example(task, seed0 + i, min(depth, 0.95), hay))
     return out
+
+
+def resumed(path, settings, keys):
+    """(records, seconds) of an earlier, interrupted run in `path` whose settings agree with these on
+    `keys` (inputs are deterministic per index: the run continues after its last record); ([], 0.0)
+    when there is no file. Different settings -> ValueError (the two runs' inputs would not match)."""
+    import json
+    from pathlib import Path
+    p = Path(path)
+    if not p.exists():
+        return [], 0.0
+    old = json.loads(p.read_text())
+    diff = [k for k in keys if old["settings"].get(k) != settings.get(k)]
+    if diff:
+        raise ValueError(f"--resume: {path} was run with other settings ({', '.join(diff)}); use another --out")
+    return old["records"], float(old["seconds"])

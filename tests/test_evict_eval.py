@@ -72,3 +72,18 @@ def test_full_cache_answers_each_task_at_its_allowance(smollm2, task, tokens):
     assert answer(allowance(tok, ex)) == 1
     if task == "multivalue":
         assert answer(10) == 0
+
+
+def test_resume_keeps_records_and_refuses_other_settings(tmp_path):
+    """--resume (evict_eval, quant_eval): an interrupted run's records and seconds come back when the
+    settings agree; a file run with other settings is refused (its inputs would not be these)."""
+    import json
+
+    from benchmarks.ruler import resumed
+    out = tmp_path / "run.json"
+    assert resumed(out, {"n": 4}, ("n",)) == ([], 0.0)
+    out.write_text(json.dumps({"settings": {"n": 4, "tokens": 384, "done": 2}, "seconds": 12.5,
+                               "records": [{"full": 1}, {"full": 0}]}))
+    assert resumed(out, {"n": 4, "tokens": 384}, ("n", "tokens")) == ([{"full": 1}, {"full": 0}], 12.5)
+    with pytest.raises(ValueError, match="tokens"):
+        resumed(out, {"n": 4, "tokens": 512}, ("n", "tokens"))

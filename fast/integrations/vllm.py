@@ -10,7 +10,7 @@ backend is replaced by KVCertBackend, whose impl
   mirroring the paged cache, rewritten whenever the slot is (block reuse, prefix caching,
   preemption and recompute stay right);
 - forward: runs vLLM's kernel, then certifies every query row of every request that reads the
-  cache (decode, prefill, chunked prefill, mixed batches) with fast.core.attention.attention_rows
+  cache (decode, prefill, chunked prefill, mixed batches) with fast.core.cpu_fused.attention_rows (the fused C++ read; the torch twin fast.core.attention.attention_rows where it does not apply)
   (the function the transformers path uses), over the keys and values read from the cache;
 - gate certified:TAU: once a (request, layer, KV head) certificate exceeds TAU, that head's
   output for the request is served from an exact side store from then on (its bytes counted);
@@ -48,7 +48,7 @@ from collections import defaultdict
 
 import torch
 
-from fast.core.attention import attention_rows
+from fast.core.cpu_fused import attention_rows  # the fused C++ read (fp32 rows); the torch twin where it does not apply
 from fast.core.quant import dequantize, quantize
 from fast.core.rope import rope_bands
 from fast.core.witness import witness
@@ -266,7 +266,7 @@ def _backend_classes():
                 pos = torch.arange(N - T, N)
                 q = q_all[t0:t1]  # [T, H, D]
                 ref, cert = attention_rows(q[None], k[None], v[None], rho[None], self.scale, bands=self.band_idx,
-                                         q_pos=pos[None], backend="torch")
+                                         q_pos=pos[None])
                 bound = cert["min"][0]  # [T, H]
                 key = (ids[b], lidx)
                 rep = STATE.repaired.get(key)

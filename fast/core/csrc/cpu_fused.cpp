@@ -140,8 +140,15 @@ inline const float* seg_row(const Seg& sg, bool values, int64_t b, int64_t h, in
     const int64_t gw = D / ng;
     for (int64_t g = 0; g < ng; ++g) {
         const float sv = half_to_float(sc[g]);
-#pragma omp simd
-        for (int64_t d = g * gw; d < (g + 1) * gw; ++d) buf[d] = (float)code[d] * sv;
+        int64_t d = g * gw;
+#if KVCERT_AVX2
+        const __m256 s8 = _mm256_set1_ps(sv);
+        for (; d + 8 <= (g + 1) * gw; d += 8) {
+            const __m256i c32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(code + d)));
+            _mm256_storeu_ps(buf + d, _mm256_mul_ps(_mm256_cvtepi32_ps(c32), s8));
+        }
+#endif
+        for (; d < (g + 1) * gw; ++d) buf[d] = (float)code[d] * sv;
         if (smax) smax[g] = std::max(smax[g], sv);  // per group; the caller spreads it over the group's channels
     }
     return buf;
