@@ -15,7 +15,7 @@ import torch
 from fast.integrations import vllm_fp8
 
 # vLLM is installed by `make install`; a missing vLLM is an import error here, never a skip.
-from fast.integrations.vllm import collect, make_llm, summaries
+from fast.integrations.vllm import collect, generate, make_llm, summaries
 
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
@@ -234,3 +234,25 @@ def test_vllm_tensor_parallel_ranks_certify_their_own_heads(tiny, monkeypatch):
     for p in parts:
         tv, bound = _cat(p["records"], "true_tv"), _cat(p["records"], "bound")
         assert tv.size > 500 and not (tv > bound).any()
+
+
+def test_vllm_summary_comes_back_with_each_output(tiny):
+    """generate(): each RequestOutput carries its own certificate summary (merged over ranks), and a
+    second call reports only its own requests (the ranks' summaries are cleared)."""
+    from vllm import SamplingParams
+    llm = _engine(tiny, codec="fp8_e4m3", shadow=True)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    first = generate(llm, [{"prompt_token_ids": p} for p in PROMPTS[:2]], params)
+    second = generate(llm, [{"prompt_token_ids": PROMPTS[2]}], params)
+    del llm
+    for o in first + second:
+        s = o.kvcert
+        assert s is not None, o.request_id
+        layers, heads = 2, 4  # _tiny_model
+        # every computed row of the request, in every layer and query head (no prefix-cache hit across calls
+        # is needed for this lower bound: the request's own decode rows are always computed)
+        assert s["reads"] >= 6 * layers * heads
+        assert s["violations"] == 0 and 0 <= s["mean_bound"] <= s["max_bound"] <= 1
+        assert s["reads"] == s["rows"] * heads  # rows summed over the layers, reads over the query heads too
+    # the 5-token prompt (no full block: no prefix-cache hit) computes 5 prefill rows and 5 decode rows per layer
+    assert second[0].kvcert["rows"] == (len(PROMPTS[2]) + 5) * layers

@@ -468,6 +468,18 @@ def collect(llm, clear=True):
     return llm.collective_rpc("kvcert_collect", args=(clear,))
 
 
+def generate(llm, prompts, params=None, **kwargs):
+    """llm.generate(prompts, params, **kwargs), each RequestOutput with its certificate summary attached
+    as `.kvcert` (summaries(): merged over the ranks; reads, max/mean bound as served, the bound before
+    the gate, repairs, violations in shadow mode). The ranks' summaries are cleared; the per-read
+    records are not fetched (traces: trace_dir; records: collect())."""
+    outs = llm.generate(prompts, params, **kwargs)
+    summ = summaries(llm.collective_rpc("kvcert_collect", args=(True, False)))
+    for o in outs:
+        o.kvcert = summ.get(o.request_id)
+    return outs
+
+
 def summaries(parts):
     """{request_id: summary} merged over ranks (max of maxima, sums of counts); mean_bound added."""
     out = {}
@@ -532,10 +544,9 @@ def main(argv=None):
     from vllm import SamplingParams
     tok = llm.get_tokenizer()
     text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False, add_generation_prompt=True)
-    out = llm.generate([text], SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
-    summ = summaries(collect(llm))
+    out = generate(llm, [text], SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
     for o in out:
-        s = summ.get(o.request_id, {})
+        s = o.kvcert or {}
         print(f"answer: {o.outputs[0].text!r}")
         print(f"request {o.request_id}: {s.get('reads', 0)} certified (row, layer, head) reads; bound as served: max "
               f"{s.get('max_bound', math.nan):.4f}, mean {s.get('mean_bound', math.nan):.5f}; before the gate: max "
