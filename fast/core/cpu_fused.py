@@ -10,6 +10,10 @@ the torch extension headers take minutes to compile on 2 cores; a plain C ABI (c
 pointers and strides) builds in seconds with no torch headers, so CI builds it from a clean
 clone. OpenMP threads come from the libgomp torch already loaded (same soname). The plain-torch
 twin stays the readable reference (fast.core.attention.attention_rows) and the fallback.
+With AVX2 + FMA (-march=native) two loops use intrinsics: pass 1 takes 8 key tokens at a time (8
+accumulators per row, the 8 lane sums added by an hadd transpose) and pass 2 keeps the output in
+registers (64 channels per row, the chunk's values dequantized once); both run the scalar code's
+operations in its order, so a -DKVCERT_SCALAR build gives the same bits (tests/test_cpu_fused.py).
 
     out, cert = cpu_fused.attention_rows(q, k, v, rho, scale, bands=..., q_pos=...)  # the contract
     cpu_fused.available()                                                           # built and loadable?

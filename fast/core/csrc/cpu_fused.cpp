@@ -2,7 +2,8 @@
 // certificate sums and the output, two passes over the cache (K codes, then V codes and the
 // witness), no fp32 copy of the history. The floating-point argument is in
 // fast/core/cpu_fused.py (module doc); this file must match it line by line:
-//   logits  x = fl(fl(sum_g fl(scale_g * fl(sum_{i in g} q_i m_i))) * s)   (or fl(q . k) s for fp32 rows)
+//   logits  x = fl(fl(q . k~) * s), k~ = code * scale (exact in fp32), or the fp32 row; the dot product in
+//           8 fma lanes (lane l: d = l, l + 8, ...) and the tree ((a0+a1)+(a2+a3))+((a4+a5)+(a6+a7))
 //   weights w = kv_exp(fl(x - m))                                           (kv_exp: exhaustively checked)
 //   c       = fl(sum_b kappa_b rho_b)                                       (fp32, nonnegative terms)
 //   sums    Z = sum w, S1 = sum w c, S2 = sum w c c                         (fp64 products and sums)
