@@ -10,7 +10,10 @@ One engine per configuration (the plugin reads its settings at start-up), all in
   passkey prompts (prefill rows and decode rows): checks, violations (true TV > bound),
   coverage at 0.2 (share of reads with bound <= 0.2), median bound / true TV;
 - the gate certified:TAU: repairs per request, side-store bytes, passkey accuracy with and
-  without the gate (the same prompts, greedy).
+  without the gate (the same prompts, greedy);
+- RULER-style tasks (benchmarks/ruler.py, --ruler inputs of ~--ruler-tokens tokens, each task's own
+  allowance): accuracy with the fp32 cache, the fp8 cast without and with the gate, 95% Wilson
+  intervals and exact McNemar tests between them.
 """
 
 import argparse
@@ -64,12 +67,75 @@ def _answers(llm, prompts, n=12):
     return [str(k) in o.outputs[0].text for o, (_, k) in zip(outs, prompts)], outs
 
 
+def _ruler_prompts(llm, n, tokens):
+    """n RULER-style inputs (benchmarks/ruler.py: five tasks, synthetic and natural haystacks, fixed
+    seeds apart from the eviction/quantization harness's) as token ids, each with its allowance."""
+    from benchmarks.ruler import allowance, build, examples
+    tok = llm.get_tokenizer()
+    exs = examples(n, haystacks=("synthetic", "natural"), seed0=50_000)
+    return [({"prompt_token_ids": build(tok, ex, tokens)[0][0].tolist()}, ex, allowance(tok, ex)) for ex in exs]
+
+
+def _ruler_answers(llm, items):
+    """0/1 per input: every answer in the greedy continuation within the task's allowance."""
+    from vllm import SamplingParams
+
+    from benchmarks.ruler import score
+    outs = llm.generate([p for p, _, _ in items], [SamplingParams(max_tokens=a, temperature=0.0) for _, _, a in items])
+    return [score(o.outputs[0].text, ex["answers"]) for o, (_, ex, _) in zip(outs, items)]
+
+
+def _ruler_table(ok, n):
+    from benchmarks.stats import mcnemar, wilson
+    rows = {}
+    for name, v in ok.items():
+        rows[name] = {"accuracy": sum(v) / n, "wilson95": wilson(sum(v), n)}
+    for a, b in (("fp8_e4m3", "fp8_e4m3_gated"), ("fp32", "fp8_e4m3"), ("fp32", "fp8_e4m3_gated")):
+        p, x, y = mcnemar(ok[a], ok[b])
+        rows[f"{a} vs {b}"] = {"mcnemar_p": p, f"{a}_only": x, f"{b}_only": y}
+    return rows
+
+
+def _tables(res):
+    sp, g, ru = res["decode_tok_s"], res["gate"], res["ruler"]
+    speed = {"title": "kvcert inside vLLM (SmolLM2, CPU backend, eager; one ~1k-token request): decode tokens/s",
+             "header": ["engine", "tokens/s", "vs fp8 cast without certificates"],
+             "rows": [["vLLM, fp32 cache (plugin off)", f"{sp['vllm_fp32']:.2f}", "-"],
+                      ["vLLM + fp8_e4m3 cast, no certificates", f"{sp['vllm_fp8_e4m3']:.2f}", "1.00x"],
+                      ["vLLM + fp8_e4m3 cast + certificates", f"{sp['vllm_fp8_e4m3_kvcert']:.2f}",
+                       f"{sp['vllm_fp8_e4m3_kvcert'] / sp['vllm_fp8_e4m3']:.2f}x (cost {100 * sp['cert_cost']:.0f}%)"]]}
+    sound = {"title": "kvcert inside vLLM: soundness in shadow mode (every row, layer and head of the passkey prompts; "
+                      "truth from the exact keys captured before vLLM's cast)",
+             "header": ["codec", "checks", "violations", "share of reads with bound <= 0.2", "median bound / true TV"],
+             "rows": [[c, r["checks"], r["violations"], f"{r['coverage_0.2']:.3f}",
+                       "-" if r["median_bound_over_tv"] is None else f"{r['median_bound_over_tv']:.1f}"]
+                      for c, r in res["soundness"].items()]}
+    n = ru["inputs"]
+
+    def acc(name):
+        r = ru["rows"][name]
+        return f"{r['accuracy']:.2f} [{r['wilson95'][0]:.2f}, {r['wilson95'][1]:.2f}]"
+    pairs = [k for k in ru["rows"] if " vs " in k]
+    gate = {"title": f"kvcert inside vLLM: the gate {g['gate']} ({g['codec']}): accuracy on {n} RULER-style inputs of "
+                     f"~{ru['tokens']} tokens ({', '.join(ru['tasks'])}; synthetic and natural haystacks) [95% Wilson] and "
+                     f"on {g['prompts']} passkey prompts; repairs per request (RULER mean {ru['repairs_per_request_mean']:.1f}); "
+                     f"exact McNemar: " + "; ".join(f"{k} p = {ru['rows'][k]['mcnemar_p']:.2g}" for k in pairs),
+            "header": ["engine", "RULER accuracy", "passkey accuracy", "side store bytes"],
+            "rows": [["fp32 cache", acc("fp32"), "-", "-"],
+                     ["fp8_e4m3 cast, no gate", acc("fp8_e4m3"), f"{g['passkey_accuracy_without_gate']:.2f}", "0"],
+                     [f"fp8_e4m3 cast, {g['gate']}", acc("fp8_e4m3_gated"), f"{g['passkey_accuracy_with_gate']:.2f}",
+                      f"{g['side_store_bytes_allocated']:,}"]]}
+    return [speed, sound, gate]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--filler", type=int, default=40, help="passkey filler sentences (40 ~ 1k tokens)")
     ap.add_argument("--gate", default="certified:0.2")
+    ap.add_argument("--ruler", type=int, default=40, help="RULER-style inputs answered with and without the gate")
+    ap.add_argument("--ruler-tokens", type=int, default=1024)
     ap.add_argument("--out", default="results/vllm.json")
     args = ap.parse_args(argv)
     import numpy as np
@@ -92,10 +158,13 @@ def main(argv=None):
     prompts = _prompts(llm, args.prompts, args.filler)
     res["prompt_tokens"] = [len(p["prompt_token_ids"]) for p, _ in prompts]
     speed["vllm_fp32"] = _decode_speed(llm, prompts[0][0], args.decode_tokens)
+    ruler = _ruler_prompts(llm, args.ruler, args.ruler_tokens)
+    ruler_ok = {"fp32": _ruler_answers(llm, ruler)}
     del llm
     llm = _engine(model, codec="fp8_e4m3", certify=False)
     speed["vllm_fp8_e4m3"] = _decode_speed(llm, prompts[0][0], args.decode_tokens)
     ok_plain, _ = _answers(llm, prompts)
+    ruler_ok["fp8_e4m3"] = _ruler_answers(llm, ruler)
     del llm
     llm = _engine(model, codec="fp8_e4m3")
     speed["vllm_fp8_e4m3_kvcert"] = _decode_speed(llm, prompts[0][0], args.decode_tokens)
@@ -119,13 +188,22 @@ def main(argv=None):
     llm = _engine(model, codec="fp8_e4m3", gate=args.gate)
     ok_gate, outs = _answers(llm, prompts)
     parts = collect(llm)
+    ruler_ok["fp8_e4m3_gated"] = _ruler_answers(llm, ruler)
+    ruler_parts = collect(llm)
     del llm
     summ = summaries(parts)
+    rsumm = summaries(ruler_parts)
+    res["ruler"] = {"inputs": len(ruler), "tokens": args.ruler_tokens, "gate": args.gate,
+                    "tasks": sorted({ex["task"] for _, ex, _ in ruler}), "haystacks": ["synthetic", "natural"],
+                    "rows": _ruler_table(ruler_ok, len(ruler)),
+                    "repairs_per_request_mean": float(np.mean([s["repairs"] for s in rsumm.values()])) if rsumm else 0.0,
+                    "per_input": {k: v for k, v in ruler_ok.items()}}
     res["gate"] = {"gate": args.gate, "codec": "fp8_e4m3",
                    "repairs_per_request": [summ.get(o.request_id, {}).get("repairs", 0) for o in outs],
                    "side_store_bytes_allocated": sum(p["side_bytes"] for p in parts),
                    "passkey_accuracy_without_gate": float(np.mean(ok_plain)),
                    "passkey_accuracy_with_gate": float(np.mean(ok_gate)), "prompts": len(prompts)}
+    res["readme_tables"] = _tables(res)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=2)

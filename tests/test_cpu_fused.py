@@ -256,14 +256,15 @@ def test_vector_build_is_the_vector_one():
 SEGS = st.fixed_dictionaries({
     "seed": st.integers(0, 2**31 - 1), "B": st.integers(1, 2), "T": st.integers(1, 3), "Hkv": st.integers(1, 2),
     "G": st.integers(1, 3), "N0": st.integers(0, 45), "N1": st.integers(1, 12), "D": st.sampled_from([64, 80, 144]),
-    "groups": st.sampled_from([1, 2, 8]), "holes": st.booleans(), "certify": st.booleans(), "mag": st.sampled_from([1e-3, 1.0, 30.0])})
+    "groups": st.sampled_from([1, 2, 8]), "holes": st.booleans(), "exact": st.booleans(), "certify": st.booleans(),
+    "mag": st.sampled_from([1e-3, 1.0, 30.0])})
 
 
 @settings(max_examples=30, deadline=None)
 @given(case=SEGS)
 def test_vector_paths_same_bits_as_scalar(case):
-    """The AVX2 blocks of pass 1 (8 tokens, hadd transpose) and the register accumulators of pass 2
-    run the scalar code's operations in its order: output and stats equal bit for bit, on two segments
+    """The AVX2 blocks of pass 1 (8 tokens, hadd transpose), the witness gather + transpose and the
+    register accumulators of pass 2 run the scalar code's operations in its order: output and stats equal bit for bit, on two segments
     (int8 codes with packed witness + fp32 tail with positions), token counts off the block size,
     D beyond one 64-channel block, holes in the valid mask, T causal rows."""
     g = torch.Generator().manual_seed(case["seed"])
@@ -277,8 +278,11 @@ def test_vector_paths_same_bits_as_scalar(case):
     valid = torch.ones(B, Hkv, N0, dtype=torch.uint8)
     if case["holes"] and N0:
         valid[..., torch.randperm(N0, generator=g)[: N0 // 3]] = 0
+    exact = None
+    if case["exact"] and N0:  # tokens held exactly (c = 0) inside the 8-token blocks
+        exact = (torch.rand(B, Hkv, N0, generator=g) < 0.3).to(torch.uint8)
     s0 = cpu_fused.seg(Hkv, N0, k=kq.codes.contiguous(), v=vq.codes.contiguous(), k_scales=kq.scales.contiguous().view(torch.int16),
-                       v_scales=vq.scales.contiguous().view(torch.int16), rho=rho, valid=valid) if N0 else cpu_fused.seg(Hkv, 0)
+                       v_scales=vq.scales.contiguous().view(torch.int16), rho=rho, valid=valid, exact=exact) if N0 else cpu_fused.seg(Hkv, 0)
     k1, v1 = torch.randn(B, Hkv, N1, D, generator=g), torch.randn(B, Hkv, N1, D, generator=g)
     pos = torch.arange(N0, N0 + N1, dtype=torch.int32).view(1, 1, N1).expand(B, Hkv, N1).contiguous()
     s1 = cpu_fused.seg(Hkv, N1, k=k1, v=v1, pos=pos, valid=torch.ones(B, Hkv, N1, dtype=torch.uint8))

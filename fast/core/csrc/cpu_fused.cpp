@@ -334,7 +334,40 @@ void run(const Args& a) {
             // the witness of the chunk once, band-major: rt[k][j] = rho_jk (0 at exact and fp32-segment tokens)
             const Seg& sg = a.seg[0];
             std::fill(rt.begin(), rt.begin() + NB * L, 0.0f);
-            for (int64_t j = j0; j < std::min(j1, N0); ++j) {
+            int64_t j = j0;
+#if KVCERT_AVX2
+            // 8 bands (the default) of log codes: 8 tokens at a time, one table gather per token and an
+            // 8 x 8 transpose into band-major order (the same values as the scalar loop below)
+            if (sg.rho && sg.rho_u8 && NB == 8) {
+                for (; j + 8 <= std::min(j1, N0); j += 8) {
+                    __m256 x[8];
+                    for (int t = 0; t < 8; ++t) {
+                        const bool ex = sg.exact && sg.exact[b * sg.ex_sb + h * sg.ex_sh + j + t];
+                        const uint8_t* rc = (const uint8_t*)sg.rho + b * sg.r_sb + h * sg.r_sh + (j + t) * 8;
+                        x[t] = ex ? _mm256_setzero_ps()
+                                  : _mm256_i32gather_ps(a.lut, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)rc)), 4);
+                    }
+                    const __m256 t0 = _mm256_unpacklo_ps(x[0], x[1]), t1 = _mm256_unpackhi_ps(x[0], x[1]);
+                    const __m256 t2 = _mm256_unpacklo_ps(x[2], x[3]), t3 = _mm256_unpackhi_ps(x[2], x[3]);
+                    const __m256 t4 = _mm256_unpacklo_ps(x[4], x[5]), t5 = _mm256_unpackhi_ps(x[4], x[5]);
+                    const __m256 t6 = _mm256_unpacklo_ps(x[6], x[7]), t7 = _mm256_unpackhi_ps(x[6], x[7]);
+                    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+                    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+                    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+                    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+                    float* dst = &rt[j - j0];
+                    _mm256_storeu_ps(dst + 0 * L, _mm256_permute2f128_ps(u0, u4, 0x20));
+                    _mm256_storeu_ps(dst + 1 * L, _mm256_permute2f128_ps(u1, u5, 0x20));
+                    _mm256_storeu_ps(dst + 2 * L, _mm256_permute2f128_ps(u2, u6, 0x20));
+                    _mm256_storeu_ps(dst + 3 * L, _mm256_permute2f128_ps(u3, u7, 0x20));
+                    _mm256_storeu_ps(dst + 4 * L, _mm256_permute2f128_ps(u0, u4, 0x31));
+                    _mm256_storeu_ps(dst + 5 * L, _mm256_permute2f128_ps(u1, u5, 0x31));
+                    _mm256_storeu_ps(dst + 6 * L, _mm256_permute2f128_ps(u2, u6, 0x31));
+                    _mm256_storeu_ps(dst + 7 * L, _mm256_permute2f128_ps(u3, u7, 0x31));
+                }
+            }
+#endif
+            for (; j < std::min(j1, N0); ++j) {
                 if (!sg.rho || (sg.exact && sg.exact[b * sg.ex_sb + h * sg.ex_sh + j])) continue;
                 if (sg.rho_u8) {
                     const uint8_t* rc = (const uint8_t*)sg.rho + b * sg.r_sb + h * sg.r_sh + j * NB;
