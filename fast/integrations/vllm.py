@@ -10,7 +10,7 @@ backend is replaced by KVCertBackend, whose impl
   mirroring the paged cache, rewritten whenever the slot is (block reuse, prefix caching,
   preemption and recompute stay right);
 - forward: runs vLLM's kernel, then certifies every query row of every request that reads the
-  cache (decode, prefill, chunked prefill, mixed batches) with fast.core.cpu_fused.attention_rows (the fused C++ read; the torch twin fast.core.attention.attention_rows where it does not apply)
+  cache (decode, prefill, chunked prefill, mixed batches) with the fused C++ read (fast.core.cpu_fused; the torch twin fast.core.attention.attention_rows where it does not apply)
   (the function the transformers path uses), over the keys and values read from the cache;
 - gate certified:TAU: once a (request, layer, KV head) certificate exceeds TAU, that head's
   output for the request is served from an exact side store from then on (its bytes counted);
@@ -48,7 +48,8 @@ from collections import defaultdict
 
 import torch
 
-from fast.core.cpu_fused import attention_rows  # the fused C++ read (fp32 rows); the torch twin where it does not apply
+from fast.core import cpu_fused
+from fast.core.attention import attention_rows  # the torch twin: where the fused read does not apply
 from fast.core.quant import dequantize, quantize
 from fast.core.rope import rope_bands
 from fast.core.witness import witness
@@ -221,6 +222,7 @@ def _backend_classes():
             stored = kt[blk, :, :, off]  # [n, Hkv, D]: what vLLM stored, read back
             rho = witness(key.float().permute(1, 0, 2)[None], stored.permute(1, 0, 2)[None], self.band_idx,
                           backend="torch")  # [1, Hkv, n, NB]
+            rho = torch.where((rho > 0) & (rho < cpu_fused.RHO_MIN), cpu_fused.RHO_MIN, rho)  # rounded up: still a witness
             self.rho[blk, :, off] = rho[0].permute(1, 0, 2)
             if self.exact_k is not None:
                 self.exact_k[blk, :, off] = key.float()
@@ -234,6 +236,27 @@ def _backend_classes():
                 self._alloc(kv_cache, layer)
             self._certify(layer, query, kv_cache, attn_metadata, output)
             return out
+
+        def _read(self, q, k, v, rho, pos):
+            """One request's rows q [T, H, D] over its gathered keys / values [Hkv, N, D] (each head's
+            tokens contiguous) and witness [Hkv, N, NB]: the fused C++ read and its certificate
+            (cpu_fused: the kernel flags NaN/Inf; every row reads keys 0..pos), else the torch twin
+            (same contract)."""
+            N, T = k.shape[1], q.shape[0]
+            if cpu_fused.available():
+                # gathered tensors are per-head contiguous, except a one-block key gather (a transposed view)
+                k, v, rho = (t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous() for t in (k, v, rho))
+                if getattr(self, "_bands64", None) is None:
+                    self._bands64 = self.band_idx.to(torch.int64).contiguous()
+                s0 = cpu_fused.seg(k.shape[0], N, k=k[None], v=v[None], rho=rho[None])
+                qpos = pos.to(torch.int32).view(1, T)
+                out, stats = cpu_fused._run(q[None].contiguous(), qpos, [s0, cpu_fused.seg(k.shape[0], 0)], self.scale,
+                                            self._bands64, 1, 1, True)
+                cert = cpu_fused._certificate(stats, self._bands64.shape[0], N, k.shape[2])
+                if cert is not None:
+                    return out, cert
+            return attention_rows(q[None], k[None], v[None], rho[None], self.scale, bands=self.band_idx, q_pos=pos[None],
+                                  backend="torch")
 
         def _gather(self, t, blocks, N):
             """[num_blocks, Hkv, bs, X] side tensor -> [Hkv, N, X] for one request's blocks."""
@@ -265,8 +288,7 @@ def _backend_classes():
                 rho = self._gather(self.rho, blocks, N)
                 pos = torch.arange(N - T, N)
                 q = q_all[t0:t1]  # [T, H, D]
-                ref, cert = attention_rows(q[None], k[None], v[None], rho[None], self.scale, bands=self.band_idx,
-                                         q_pos=pos[None])
+                ref, cert = self._read(q, k, v, rho, pos)
                 bound = cert["min"][0]  # [T, H]
                 key = (ids[b], lidx)
                 rep = STATE.repaired.get(key)
