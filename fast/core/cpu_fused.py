@@ -12,7 +12,8 @@ clone. OpenMP threads come from the libgomp torch already loaded (same soname). 
 twin stays the readable reference (fast.core.attention.attention_rows) and the fallback.
 With AVX2 + FMA (-march=native) two loops use intrinsics: pass 1 takes 8 key tokens at a time (8
 accumulators per row, the 8 lane sums added by an hadd transpose) and pass 2 keeps the output in
-registers (64 channels per row, the chunk's values dequantized once); both run the scalar code's
+registers (64 channels per row, the chunk's values dequantized once), the witness log codes decode in
+registers (the table is a power grid, checked per call) and the certificate sums run in 8 lanes; all run the scalar code's
 operations in its order, so a -DKVCERT_SCALAR build gives the same bits (tests/test_cpu_fused.py).
 
     out, cert = cpu_fused.attention_rows(q, k, v, rho, scale, bands=..., q_pos=...)  # the contract
@@ -158,6 +159,8 @@ def _lib(scalar=False):
         lib.kvcert_exp_check.restype = ctypes.c_double
         lib.kvcert_exp_one.argtypes = [ctypes.c_float]
         lib.kvcert_exp_one.restype = ctypes.c_float
+        lib.kvcert_lut_is_grid.argtypes = [ctypes.c_void_p]
+        lib.kvcert_lut_is_grid.restype = ctypes.c_int
         _LIB[scalar] = lib
     return _LIB[scalar]
 
@@ -177,6 +180,13 @@ def exp_check(lo=-104.0, threads=None):
     ab = ctypes.c_double()
     rel = _lib().kvcert_exp_check(lo, ctypes.byref(ab), threads or torch.get_num_threads())
     return rel, ab.value
+
+
+def lut_is_grid(lut):
+    """True when the witness log table [256] fp32 has the power-grid form the AVX2 path decodes in registers
+    (csrc: lut_is_grid); else the kernel gathers from the table (same bits)."""
+    lut = lut.to(torch.float32).contiguous()
+    return bool(_lib().kvcert_lut_is_grid(lut.data_ptr()))
 
 
 def exp_one(x):

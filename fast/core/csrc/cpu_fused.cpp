@@ -60,6 +60,27 @@ inline float kv_exp(float x) {
     return x >= X_MIN ? y : 0.0f;
 }
 
+// The witness log table (fast.core.witness._log_table) is a power grid: lut[0] = 0 and, for code i >= 1,
+// lut[i] = lut[160 + i % 8] * 2^(i / 8 - 20) exactly (every entry normal), so a code decodes in registers:
+// the 8-entry mantissa table by permute, the exponent added to the bits. lut_is_grid checks that every
+// entry is exactly what this decode gives (else the kernel uses the table gather); same bits either way.
+inline uint32_t grid_bits(const float* lut, int i) {
+    uint32_t m;
+    std::memcpy(&m, &lut[160 + i % 8], 4);
+    return m + (uint32_t)((i / 8 - 20) << 23);
+}
+
+inline bool lut_is_grid(const float* lut) {
+    if (!lut || lut[0] != 0.0f) return false;
+    for (int i = 1; i < 256; ++i) {
+        uint32_t t;
+        std::memcpy(&t, &lut[i], 4);
+        const uint32_t e = (t >> 23) & 0xffu;
+        if (e == 0 || e == 0xffu || t != grid_bits(lut, i)) return false;
+    }
+    return true;
+}
+
 inline float half_to_float(uint16_t h) {
     // exact IEEE binary16 -> binary32
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
@@ -153,6 +174,65 @@ inline const float* seg_row(const Seg& sg, bool values, int64_t b, int64_t h, in
         if (smax) smax[g] = std::max(smax[g], sv);  // per group; the caller spreads it over the group's channels
     }
     return buf;
+}
+
+inline double tree8(const double* x) { return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7])); }
+
+// One row's sums over a chunk of L tokens: w the weights, o the readable mask, rt the witness band-major
+// [NB][L] (null: not certified), kap the row's kappa. c_j = fl(sum_b kappa_b rho_jb) by fma in band order;
+// Z = sum w, S1 = sum w c, S2 = sum (w c) c in fp64 (w c exact: 24 x 24 bits), max c over readable tokens.
+// 8 lanes (token jj goes to lane jj % 8), then the tree of tree8: the AVX2 loop adds the same numbers in
+// the same order as the scalar tail, so both builds give the same bits. out: Z, S1, S2, max c.
+inline void row_sums(const float* w, const uint8_t* o, const float* rt, const float* kap, int64_t NB, int64_t L, double* out) {
+    alignas(32) double lz[8] = {0, 0, 0, 0, 0, 0, 0, 0}, l1[8] = {0, 0, 0, 0, 0, 0, 0, 0}, l2[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    float cm = 0.0f;
+    int64_t jj = 0;
+#if KVCERT_AVX2
+    {
+        __m256d za = _mm256_setzero_pd(), zb = za, s1a = za, s1b = za, s2a = za, s2b = za;
+        __m256 cmv = _mm256_setzero_ps();
+        const __m256i zi = _mm256_setzero_si256();
+        for (; jj + 8 <= L; jj += 8) {
+            const __m256 wv = _mm256_loadu_ps(w + jj);
+            const __m256d wa = _mm256_cvtps_pd(_mm256_castps256_ps128(wv)), wb = _mm256_cvtps_pd(_mm256_extractf128_ps(wv, 1));
+            za = _mm256_add_pd(za, wa);
+            zb = _mm256_add_pd(zb, wb);
+            if (!rt) continue;
+            __m256 c = _mm256_setzero_ps();
+            for (int64_t k = 0; k < NB; ++k) c = _mm256_fmadd_ps(_mm256_set1_ps(kap[k]), _mm256_loadu_ps(rt + k * L + jj), c);
+            const __m256i om = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(o + jj)));
+            cmv = _mm256_max_ps(cmv, _mm256_and_ps(c, _mm256_castsi256_ps(_mm256_cmpgt_epi32(om, zi))));
+            const __m256d ca = _mm256_cvtps_pd(_mm256_castps256_ps128(c)), cb = _mm256_cvtps_pd(_mm256_extractf128_ps(c, 1));
+            const __m256d wca = _mm256_mul_pd(wa, ca), wcb = _mm256_mul_pd(wb, cb);
+            s1a = _mm256_add_pd(s1a, wca);
+            s1b = _mm256_add_pd(s1b, wcb);
+            s2a = _mm256_add_pd(s2a, _mm256_mul_pd(wca, ca));
+            s2b = _mm256_add_pd(s2b, _mm256_mul_pd(wcb, cb));
+        }
+        _mm256_store_pd(lz, za); _mm256_store_pd(lz + 4, zb);
+        _mm256_store_pd(l1, s1a); _mm256_store_pd(l1 + 4, s1b);
+        _mm256_store_pd(l2, s2a); _mm256_store_pd(l2 + 4, s2b);
+        alignas(32) float cmx[8];
+        _mm256_store_ps(cmx, cmv);
+        for (int l = 0; l < 8; ++l) cm = std::max(cm, cmx[l]);
+    }
+#endif
+    for (; jj < L; ++jj) {
+        const int l = (int)(jj % 8);
+        const double wd = (double)w[jj];
+        lz[l] += wd;
+        if (!rt) continue;
+        float c = 0.0f;
+        for (int64_t k = 0; k < NB; ++k) c = std::fma(kap[k], rt[k * L + jj], c);
+        const double cd = (double)c, wc = wd * cd;
+        l1[l] += wc;
+        l2[l] += wc * cd;
+        cm = std::max(cm, o[jj] ? c : 0.0f);
+    }
+    out[0] = tree8(lz);
+    out[1] = tree8(l1);
+    out[2] = tree8(l2);
+    out[3] = (double)cm;
 }
 
 void run(const Args& a) {
@@ -310,7 +390,7 @@ void run(const Args& a) {
         const int64_t j0 = c * CH, j1 = std::min(N, j0 + CH);
         const int64_t L = j1 - j0;
         float* lg = LG + (b * Hkv + h) * R * N;
-        std::vector<float> cj((size_t)(a.certify ? L : 0)), rt((size_t)(a.certify ? NB * L : 0));
+        std::vector<float> rt((size_t)(a.certify ? NB * L : 0));
         const uint8_t* okr = OK + (b * Hkv + h) * R * N + j0;
         // the global row max (all chunks of this (b, h)): a fixed order, the same in every item
         std::vector<float> mrow((size_t)R);
@@ -339,13 +419,25 @@ void run(const Args& a) {
             // 8 bands (the default) of log codes: 8 tokens at a time, one table gather per token and an
             // 8 x 8 transpose into band-major order (the same values as the scalar loop below)
             if (sg.rho && sg.rho_u8 && NB == 8) {
+                const bool grid = lut_is_grid(a.lut);
+                const __m256 mant = _mm256_loadu_ps(a.lut + 160);
+                const __m256i bias = _mm256_set1_epi32(20), zero = _mm256_setzero_si256();
                 for (; j + 8 <= std::min(j1, N0); j += 8) {
                     __m256 x[8];
                     for (int t = 0; t < 8; ++t) {
                         const bool ex = sg.exact && sg.exact[b * sg.ex_sb + h * sg.ex_sh + j + t];
                         const uint8_t* rc = (const uint8_t*)sg.rho + b * sg.r_sb + h * sg.r_sh + (j + t) * 8;
-                        x[t] = ex ? _mm256_setzero_ps()
-                                  : _mm256_i32gather_ps(a.lut, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)rc)), 4);
+                        const __m256i ci = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)rc));
+                        if (ex) {
+                            x[t] = _mm256_setzero_ps();
+                        } else if (grid) {  // lut[ci] = mant[ci % 8] 2^(ci / 8 - 20); 0 at code 0
+                            const __m256 m = _mm256_permutevar8x32_ps(mant, ci);  // uses the low 3 bits
+                            const __m256i e = _mm256_slli_epi32(_mm256_sub_epi32(_mm256_srli_epi32(ci, 3), bias), 23);
+                            const __m256i v = _mm256_add_epi32(_mm256_castps_si256(m), e);
+                            x[t] = _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_cmpeq_epi32(ci, zero), v));
+                        } else {
+                            x[t] = _mm256_i32gather_ps(a.lut, ci, 4);
+                        }
                     }
                     const __m256 t0 = _mm256_unpacklo_ps(x[0], x[1]), t1 = _mm256_unpackhi_ps(x[0], x[1]);
                     const __m256 t2 = _mm256_unpacklo_ps(x[2], x[3]), t3 = _mm256_unpackhi_ps(x[2], x[3]);
@@ -379,39 +471,10 @@ void run(const Args& a) {
             }
             for (int64_t r = 0; r < R; ++r) {
                 const int64_t t = r / G, hq = h * G + r % G;
-                const float* kap = KAPPA + ((b * T + t) * H + hq) * NB;
-                float* cr = &cj[0];
-                // c_j = fl(sum_b kappa_b rho_jb), fma in band order b = 0..NB-1
-                std::fill(cr, cr + L, 0.0f);
-                for (int64_t k = 0; k < NB; ++k) {
-                    const float kk = kap[k];
-                    const float* rk = &rt[k * L];
-#pragma omp simd
-                    for (int64_t j = 0; j < L; ++j) cr[j] = std::fma(kk, rk[j], cr[j]);
-                }
-                const float* w = lg + r * N + j0;
-                const uint8_t* o = okr + r * N;
-                double z = 0.0, s1 = 0.0, s2 = 0.0;
-                float cm = 0.0f;
-#pragma omp simd reduction(+ : z, s1, s2) reduction(max : cm)
-                for (int64_t j = 0; j < L; ++j) {
-                    const double wd = (double)w[j], cd = (double)cr[j];
-                    const double wc = wd * cd;
-                    z += wd;
-                    s1 += wc;
-                    s2 += wc * cd;
-                    cm = std::max(cm, o[j] ? cr[j] : 0.0f);
-                }
-                ps[r * 4 + 0] = z; ps[r * 4 + 1] = s1; ps[r * 4 + 2] = s2; ps[r * 4 + 3] = (double)cm;
+                row_sums(lg + r * N + j0, okr + r * N, &rt[0], KAPPA + ((b * T + t) * H + hq) * NB, NB, L, ps + r * 4);
             }
         } else {
-            for (int64_t r = 0; r < R; ++r) {
-                const float* w = lg + r * N + j0;
-                double z = 0.0;
-#pragma omp simd reduction(+ : z)
-                for (int64_t j = 0; j < L; ++j) z += (double)w[j];
-                ps[r * 4 + 0] = z; ps[r * 4 + 1] = 0.0; ps[r * 4 + 2] = 0.0; ps[r * 4 + 3] = 0.0;
-            }
+            for (int64_t r = 0; r < R; ++r) row_sums(lg + r * N + j0, okr + r * N, nullptr, nullptr, 0, L, ps + r * 4);
         }
         // output: o_r += w_rj v~_j (v~ = code * scale, exact in fp32)
         float* po = POUT + it * R * D;
@@ -526,6 +589,8 @@ extern "C" {
 int kvcert_fused_abi() { return 1; }
 
 int kvcert_fused_avx2() { return KVCERT_AVX2; }
+
+int kvcert_lut_is_grid(const float* lut) { return lut_is_grid(lut); }
 
 void kvcert_fused_run(const Args* a) { run(*a); }
 
