@@ -311,3 +311,60 @@ def test_vector_paths_same_bits_as_scalar(case):
     rep = f"case {json.dumps(case)}"
     assert torch.equal(got[0][0], got[1][0]), "output differs: " + rep
     assert torch.equal(got[0][1], got[1][1]), "stats differ: " + rep
+
+
+PAGED = st.fixed_dictionaries({
+    "seed": st.integers(0, 2**31 - 1), "B": st.integers(1, 2), "T": st.integers(1, 3), "Hkv": st.integers(1, 2),
+    "G": st.integers(1, 3), "N": st.integers(1, 70), "bs": st.sampled_from([8, 16, 32]), "D": st.sampled_from([64, 80]),
+    "transposed": st.booleans(), "certify": st.booleans()})
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=PAGED)
+def test_paged_read_same_bits_as_contiguous(case):
+    """cpu_fused.paged_seg reads a paged cache in place (vLLM's CPU layout: keys [D, bs] per block, blocks
+    shuffled, one table per sequence): output and stats equal bit for bit the read of the same keys,
+    values and witness laid out contiguously, in the vector and the scalar build."""
+    g = torch.Generator().manual_seed(case["seed"])
+    B, T, Hkv, G, N, bs, D = (case[x] for x in ("B", "T", "Hkv", "G", "N", "bs", "D"))
+    T, NB, H = min(T, N), 8, Hkv * G
+    k, v = torch.randn(B, Hkv, N, D, generator=g), torch.randn(B, Hkv, N, D, generator=g)
+    rho = torch.rand(B, Hkv, N, NB, generator=g) * 1e-2
+    nblk = -(-N // bs)
+    nb = B * nblk + 3
+    perm = torch.randperm(nb, generator=g)[: B * nblk].view(B, nblk).to(torch.int32)
+    table = torch.cat([perm, torch.full((B, 2), nb - 1, dtype=torch.int32)], 1).contiguous()  # unused tail entries
+    kc = torch.full((nb, Hkv, D, bs) if case["transposed"] else (nb, Hkv, bs, D), float("nan"))
+    vc, rc = torch.full((nb, Hkv, bs, D), float("nan")), torch.full((nb, Hkv, bs, NB), float("nan"))
+    for b in range(B):
+        for j in range(N):
+            blk, off = int(table[b, j // bs]), j % bs
+            if case["transposed"]:
+                kc[blk, :, :, off] = k[b, :, j]
+            else:
+                kc[blk, :, off] = k[b, :, j]
+            vc[blk, :, off], rc[blk, :, off] = v[b, :, j], rho[b, :, j]
+    q = torch.randn(B, T, H, D, generator=g).contiguous()
+    qpos = (N - T + torch.arange(T, dtype=torch.int32)).view(1, T).expand(B, T).contiguous()
+    b64 = fast.rope_bands(D, NB).to(torch.int64).contiguous()
+    flat = [cpu_fused.seg(Hkv, N, k=k, v=v, rho=rho), cpu_fused.seg(Hkv, 0)]
+    paged = [cpu_fused.paged_seg(N, k=kc, v=vc, rho=rc, table=table, k_transposed=case["transposed"]), cpu_fused.seg(Hkv, 0)]
+    for sc in (False, True):
+        want = cpu_fused._run(q, qpos, flat, D ** -0.5, b64, 1, 1, case["certify"], scalar=sc)
+        got = cpu_fused._run(q, qpos, paged, D ** -0.5, b64, 1, 1, case["certify"], scalar=sc)
+        rep = f"scalar={sc} case {json.dumps(case)}"
+        assert torch.equal(got[0], want[0]), "output differs: " + rep
+        assert torch.equal(got[1], want[1]), "stats differ: " + rep
+
+
+def test_paged_seg_refuses_bad_tables():
+    """A block id outside the cache, a short or non-int32 table, a non-fp32 cache: one ValueError each."""
+    kc, vc = torch.zeros(4, 1, 64, 8), torch.zeros(4, 1, 8, 64)
+    ok = torch.tensor([[0, 1]], dtype=torch.int32)
+    cpu_fused.paged_seg(16, k=kc, v=vc, rho=None, table=ok, k_transposed=True)
+    for table, what in ((torch.tensor([[0, 4]], dtype=torch.int32), "block ids"), (torch.tensor([[0]], dtype=torch.int32), "int32"),
+                        (ok.long(), "int32"), (torch.tensor([[-1, 0]], dtype=torch.int32), "block ids")):
+        with pytest.raises(ValueError, match=what):
+            cpu_fused.paged_seg(16, k=kc, v=vc, rho=None, table=table, k_transposed=True)
+    with pytest.raises(ValueError, match="fp32"):
+        cpu_fused.paged_seg(16, k=kc.half(), v=vc, rho=None, table=ok, k_transposed=True)

@@ -291,6 +291,36 @@ def test_vllm_tensor_parallel_ranks_certify_their_own_heads(tiny, monkeypatch):
         assert tv.size > 500 and not (tv > bound).any()
 
 
+def test_vllm_served_output_is_the_engines_attention(tiny):
+    """differential: the plugin serves its fused certified read (vLLM's kernel does not run); the model's
+    log-probabilities of the prompts (prefill in 64-token chunks over the cache) and of the generated tokens
+    match the same engine serving vLLM's own kernel over the same fp8 cache (KVCERT_CERTIFY=0), within fp32
+    summation-order noise."""
+    from vllm import SamplingParams
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    runs = []
+    for certify in (True, False):
+        llm = _engine(tiny, codec="fp8_e4m3", certify=certify)
+        runs.append((generate if certify else type(llm).generate)(llm, [{"prompt_token_ids": p} for p in PROMPTS], params))
+        del llm
+    # no gate, no shadow: the certificates are computed once per step for all layers (flush), and still every
+    # row of every layer and head is certified: the 5-token prompt computes 5 prefill and 7 decode rows per layer
+    for o in runs[0]:
+        s = o.kvcert
+        assert s["reads"] == s["rows"] * 4 and 0 < s["mean_bound"] <= s["max_bound"] <= 1, s
+    assert runs[0][2].kvcert["rows"] == (len(PROMPTS[2]) + 7) * 2
+    for ours, theirs in zip(*runs):
+        lp = lambda xs: [next(iter(d.values())).logprob for d in xs if d]
+        a, b = lp(ours.prompt_logprobs), lp(theirs.prompt_logprobs)
+        assert len(a) == len(b) == len(ours.prompt_token_ids) - 1
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-3
+        t1, t2 = ours.outputs[0].token_ids, theirs.outputs[0].token_ids
+        same = next((i for i, (x, y) in enumerate(zip(t1, t2)) if x != y), len(t1))
+        assert same >= 4, (t1, t2)
+        g1, g2 = lp(ours.outputs[0].logprobs[:same]), lp(theirs.outputs[0].logprobs[:same])
+        assert max(abs(x - y) for x, y in zip(g1, g2)) < 1e-3
+
+
 def test_vllm_summary_comes_back_with_each_output(tiny):
     """generate(): each RequestOutput carries its own certificate summary (merged over ranks), and a
     second call reports only its own requests (the ranks' summaries are cleared)."""

@@ -107,7 +107,8 @@ class _Seg(ctypes.Structure):
         ("valid", ctypes.c_void_p), ("va_sb", ctypes.c_int64), ("va_sh", ctypes.c_int64),
         ("exact", ctypes.c_void_p), ("ex_sb", ctypes.c_int64), ("ex_sh", ctypes.c_int64),
         ("pos", ctypes.c_void_p), ("p_sb", ctypes.c_int64), ("p_sh", ctypes.c_int64),
-        ("n", ctypes.c_int64), ("is_int8", ctypes.c_int), ("rho_u8", ctypes.c_int)]]
+        ("n", ctypes.c_int64), ("is_int8", ctypes.c_int), ("rho_u8", ctypes.c_int),
+        ("table", ctypes.c_void_p), ("tb_sb", ctypes.c_int64), ("bs", ctypes.c_int64), ("k_t", ctypes.c_int)]]
 
 
 class _Args(ctypes.Structure):
@@ -310,6 +311,41 @@ def seg(Hkv, n, *, k=None, v=None, k_scales=None, v_scales=None, rho=None, valid
         keep[name] = t
     if rho is not None:
         c.rho_u8 = int(rho.dtype == torch.uint8)
+    return keep
+
+
+def paged_seg(n, *, k, v, rho, table, k_transposed):
+    """A segment read in place from a paged cache (vLLM's CPU layout): fp32 k [num_blocks, Hkv, D, bs]
+    (k_transposed) or [num_blocks, Hkv, bs, D], v [num_blocks, Hkv, bs, D], rho fp32 [num_blocks, Hkv, bs, NB]
+    or None; each (block, head) slab contiguous; table int32 [B, >= ceil(n / bs)] the blocks of each sequence
+    (checked against num_blocks: the kernel trusts it). Tokens 0..n-1 of sequence b are its positions."""
+    nb, Hkv = v.shape[0], v.shape[1]
+    bs, D = v.shape[2], v.shape[3]
+    c = _Seg()
+    c.n = n
+    keep = {"Hkv": Hkv, "c": c}
+    if n == 0:
+        return keep
+    want_k = (nb, Hkv, D, bs) if k_transposed else (nb, Hkv, bs, D)
+    for name, t, shape in (("k", k, want_k), ("v", v, (nb, Hkv, bs, D)), ("rho", rho, (nb, Hkv, bs, None))):
+        if t is None:
+            continue
+        if t.dtype != torch.float32 or t.dim() != 4 or any(w is not None and x != w for x, w in zip(t.shape, shape)):
+            raise ValueError(f"{name}: fp32 {shape} (None: any), got {t.dtype} {tuple(t.shape)}")
+        if t.stride(3) != 1 or t.stride(2) != t.shape[3]:
+            raise ValueError(f"{name}: each (block, head) slab must be contiguous")
+        setattr(c, name, t.data_ptr())
+        setattr(c, {"k": "k", "v": "v", "rho": "r"}[name] + "_sb", t.stride(0))
+        setattr(c, {"k": "k", "v": "v", "rho": "r"}[name] + "_sh", t.stride(1))
+        keep[name] = t
+    need = -(-n // bs)
+    if table.dtype != torch.int32 or table.dim() != 2 or table.shape[1] < need or table.stride(1) != 1:
+        raise ValueError(f"table: int32 [B, >= {need}] with unit stride, got {table.dtype} {tuple(table.shape)}")
+    used = table[:, :need]
+    if int(used.min()) < 0 or int(used.max()) >= nb:
+        raise ValueError(f"table: block ids must lie in [0, {nb})")
+    c.table, c.tb_sb, c.bs, c.k_t = table.data_ptr(), table.stride(0), bs, int(k_transposed)
+    keep["table"] = table
     return keep
 
 

@@ -9,9 +9,12 @@ backend is replaced by KVCertBackend, whose impl
   exactly what is stored, per cache slot: rho [num_blocks, Hkv, block_size, NB], a side tensor
   mirroring the paged cache, rewritten whenever the slot is (block reuse, prefix caching,
   preemption and recompute stay right);
-- forward: runs vLLM's kernel, then certifies every query row of every request that reads the
-  cache (decode, prefill, chunked prefill, mixed batches) with the fused C++ read (fast.core.cpu_fused; the torch twin fast.core.attention.attention_rows where it does not apply)
-  (the function the transformers path uses), over the keys and values read from the cache;
+- forward: every query row of every request that reads the cache (decode, prefill, chunked prefill,
+  mixed batches) is read by the fused C++ read IN PLACE from vLLM's paged cache (fast.core.cpu_fused
+  paged_seg: the block table, keys [D, bs] per block; the torch twin fast.core.attention.attention_rows
+  over the gathered blocks where it does not apply), the functions the transformers path uses; its
+  output is what the plugin serves, so the certificate is about the very weights served. vLLM's own
+  kernel does not run (in shadow mode it runs too, and its output is compared with the served one);
 - gate certified:TAU: once a (request, layer, KV head) certificate exceeds TAU, that head's
   output for the request is served from an exact side store from then on (its bytes counted);
 - shadow (KVCERT_SHADOW=1): the true TV of each row from the exact side store (tests, benchmarks).
@@ -117,6 +120,8 @@ class _State:
                                             "repairs": 0, "repaired_heads": [], "violations": 0,
                                             "max_true_tv": 0.0})
         self.repaired = {}  # (request, layer) -> bool [Hkv]
+        self.pending = []  # kernel reads of this step whose certificates are not computed yet (see flush)
+        self.pending_layers = set()
         self.side_bytes = 0  # bytes of the exact side store (K and V) allocated in this process
         self.rank = (0, 0)
         self.impls = getattr(self, "impls", [])  # the backend impls of this process (one per layer)
@@ -171,6 +176,8 @@ def _backend_classes():
                          head_size=head_size, attn_type=self.attn_type)
             if self.sinks is not None or self.alibi_slopes is not None or self.logits_soft_cap:
                 raise ValueError("kvcert: attention sinks, ALiBi and logit soft-capping are not supported")
+            if self.sliding_window not in (None, -1):
+                raise ValueError(f"kvcert: sliding-window attention (window {self.sliding_window}) is not supported")
             self.cfg = cfg
             self.band_idx = rope_bands(head_size, cfg.bands)
             self.kv_ref = None
@@ -229,108 +236,143 @@ def _backend_classes():
                 self.exact_v[blk, :, off] = value.float()
 
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
-            out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
             if attn_metadata is None or not self.cfg.certify or self.attn_type != AttentionType.DECODER:
-                return out
+                return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+            if not attn_metadata.causal or getattr(attn_metadata, "dynamic_causal", None) is not None:
+                raise ValueError("kvcert: only causal decoder attention is certified (the batch's metadata is not causal)")
             if self.rho is None:
                 self._alloc(kv_cache, layer)
-            self._certify(layer, query, kv_cache, attn_metadata, output)
-            return out
+            vllm_out = None
+            if self.cfg.shadow:  # vLLM's own kernel too, to compare with what is served
+                super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+                n = attn_metadata.num_actual_tokens
+                vllm_out = output[:n].view(n, self.num_heads, self.head_size).float().clone()
+            self._certify(layer, query, kv_cache, attn_metadata, output, vllm_out)
+            return output
 
-        def _read(self, q, k, v, rho, pos):
-            """One request's rows q [T, H, D] over its gathered keys / values [Hkv, N, D] (each head's
-            tokens contiguous) and witness [Hkv, N, NB]: the fused C++ read and its certificate
-            (cpu_fused: the kernel flags NaN/Inf; every row reads keys 0..pos), else the torch twin
-            (same contract)."""
-            N, T = k.shape[1], q.shape[0]
+        def _read(self, q, kv_cache, table, N, pos):
+            """One request's rows q [T, H, D] at positions pos over its N cached tokens (blocks table [1, >=
+            ceil(N / bs)] int32): the fused C++ read in place from the paged cache (cpu_fused.paged_seg: the
+            kernel flags NaN/Inf; every row reads keys 0..pos) -> (out [1, T, H, D], kernel stats, None), the
+            certificate epilogue left to the caller; else the torch twin over the gathered keys (same contract)
+            -> (out, None, cert). The output is what the plugin serves."""
             if cpu_fused.available():
-                # gathered tensors are per-head contiguous, except a one-block key gather (a transposed view)
-                k, v, rho = (t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous() for t in (k, v, rho))
+                kt, vv = self._views(kv_cache)
                 if getattr(self, "_bands64", None) is None:
                     self._bands64 = self.band_idx.to(torch.int64).contiguous()
-                s0 = cpu_fused.seg(k.shape[0], N, k=k[None], v=v[None], rho=rho[None])
-                qpos = pos.to(torch.int32).view(1, T)
-                out, stats = cpu_fused._run(q[None].contiguous(), qpos, [s0, cpu_fused.seg(k.shape[0], 0)], self.scale,
+                s0 = cpu_fused.paged_seg(N, k=kt, v=vv, rho=self.rho, table=table.to(torch.int32), k_transposed=True)
+                qpos = pos.to(torch.int32).view(1, -1)
+                out, stats = cpu_fused._run(q[None].contiguous(), qpos, [s0, cpu_fused.seg(self.num_kv_heads, 0)], self.scale,
                                             self._bands64, 1, 1, True)
-                cert = cpu_fused._certificate(stats, self._bands64.shape[0], N, k.shape[2])
-                if cert is not None:
-                    return out, cert
-            return attention_rows(q[None], k[None], v[None], rho[None], self.scale, bands=self.band_idx, q_pos=pos[None],
-                                  backend="torch")
+                return out, stats, None
+            return self._twin(q, kv_cache, table, N, pos)
+
+        def _twin(self, q, kv_cache, table, N, pos):
+            """(out, None, cert) by the torch twin over the gathered blocks."""
+            kt, vv = self._views(kv_cache)
+            blocks = table[0, :(N + kt.shape[3] - 1) // kt.shape[3]].long()
+            k = kt[blocks].permute(1, 0, 3, 2).reshape(self.num_kv_heads, -1, self.head_size)[:, :N]  # [Hkv, N, D] as stored
+            v, rho = self._gather(vv, blocks, N), self._gather(self.rho, blocks, N)
+            out, cert = attention_rows(q[None], k[None], v[None], rho[None], self.scale, bands=self.band_idx, q_pos=pos[None],
+                                       backend="torch")
+            return out, None, cert
 
         def _gather(self, t, blocks, N):
             """[num_blocks, Hkv, bs, X] side tensor -> [Hkv, N, X] for one request's blocks."""
             g = t[blocks]  # [nblk, Hkv, bs, X]
             return g.permute(1, 0, 2, 3).reshape(g.shape[1], -1, g.shape[3])[:, :N]
 
-        def _certify(self, layer, query, kv_cache, md, output):
-            cfg, H, D, Hkv = self.cfg, self.num_heads, self.head_size, self.num_kv_heads
-            G = H // Hkv
+        def _certify(self, layer, query, kv_cache, md, output, vllm_out):
+            """Read and serve every request's rows of this layer; the certificates of the reads (one epilogue
+            for all of them) right away when a gate or the shadow needs them now, else once per step for all
+            the layers of this rank (STATE.pending, flushed after the last layer and by collect)."""
+            H, D = self.num_heads, self.head_size
             n = md.num_actual_tokens
             qsl = md.query_start_loc.tolist()
             seq = md.seq_lens.tolist()
-            R = len(seq)
-            ids = STATE.req_ids(R)
+            ids = STATE.req_ids(len(seq))
             lidx = _layer_index(layer)
-            kt, vv = self._views(kv_cache)
-            bs = kv_cache.shape[2]
             q_all = query[:n].view(n, H, D).float()
             out_all = output[:n].view(n, H, D)
-            tp_rank, pp_rank = STATE.rank
-            for b in range(R):
+            now = self.exact_k is not None  # gate or shadow: the bound decides what is served / is checked now
+            entries = []
+            for b in range(len(seq)):
                 t0, t1, N = qsl[b], qsl[b + 1], seq[b]
                 T = t1 - t0
                 if T <= 0 or N <= 0:
                     continue
-                blocks = md.block_table[b, :(N + bs - 1) // bs].long()
-                k = kt[blocks].permute(1, 0, 3, 2).reshape(Hkv, -1, D)[:, :N]  # [Hkv, N, D] as stored
-                v = self._gather(vv, blocks, N)
-                rho = self._gather(self.rho, blocks, N)
                 pos = torch.arange(N - T, N)
                 q = q_all[t0:t1]  # [T, H, D]
-                ref, cert = self._read(q, k, v, rho, pos)
-                bound = cert["min"][0]  # [T, H]
-                key = (ids[b], lidx)
-                rep = STATE.repaired.get(key)
-                if rep is None:
-                    rep = STATE.repaired[key] = torch.zeros(Hkv, dtype=torch.bool)
-                fresh = []
-                if cfg.gate.kind == "certified":
-                    over = bound.view(T, Hkv, G).amax(dim=(0, 2)) > cfg.gate.tau
-                    fresh = (over & ~rep).nonzero().flatten().tolist()
-                    rep |= over
-                vllm_out = out_all[t0:t1].float()  # vLLM's kernel, before any repair
-                served = bound.clone()
-                true_tv = None
-                if self.exact_k is not None:
-                    ek, ev = self._gather(self.exact_k, blocks, N), self._gather(self.exact_v, blocks, N)
-                    if bool(rep.any()):  # the gate: these heads read the exact side store from now on
-                        heads = rep.repeat_interleave(G)
-                        exact_out = _attend(q, ek, ev, pos, self.scale)  # [T, H, D]
-                        out_all[t0:t1, heads] = exact_out[:, heads].to(out_all.dtype)
-                        served[:, heads] = 0.0
-                    if cfg.shadow:
-                        true_tv = _true_tv(q, ek, k, pos, self.scale, rep)  # [T, H]
-                s = STATE.summary[ids[b]]
-                s["rows"] += T
-                s["reads"] += T * H
-                s["max_bound"] = max(s["max_bound"], float(served.max()))
-                s["max_pre_gate"] = max(s["max_pre_gate"], float(bound.max()))
-                s["sum_bound"] += float(served.sum())
-                s["repairs"] += len(fresh)
-                s["repaired_heads"] += [[lidx, tp_rank * Hkv + h] for h in fresh]
-                rec = {"request": ids[b], "layer": lidx, "tp_rank": tp_rank, "pp_rank": pp_rank,
-                       "head_offset": tp_rank * H, "pos": pos.numpy(), "bound": bound.numpy(),
-                       "served": served.numpy(), "repaired": rep.numpy().copy()}
-                if cfg.shadow:  # vLLM's kernel output vs the certified torch read of the same cache
-                    rec["out_diff"] = float((vllm_out - ref[0]).abs().max())
-                if true_tv is not None:
-                    rec["true_tv"] = true_tv.numpy()
-                    s["violations"] += int((true_tv > served).sum())
-                    s["max_true_tv"] = max(s["max_true_tv"], float(true_tv.max()))
-                STATE.records.append(rec)
-                if cfg.trace_dir:
-                    _trace(rec)
+                table = md.block_table[b:b + 1]
+                out, stats, cert = self._read(q, kv_cache, table, N, pos)
+                out_all[t0:t1] = out[0].to(out_all.dtype)  # served: the certified read
+                e = {"impl": self, "request": ids[b], "layer": lidx, "N": N, "T": T, "pos": pos, "stats": stats, "cert": cert,
+                     "q": q if now else q.clone(), "table": table if now else table.clone(), "kv": kv_cache}
+                if vllm_out is not None:  # vLLM's own kernel vs the certified read served, same cache
+                    e["out_diff"] = float((vllm_out[t0:t1] - out[0]).abs().max())
+                if now:
+                    e["out"] = out_all[t0:t1]
+                entries.append(e)
+            if now:
+                _finish(entries)
+                return
+            if lidx in STATE.pending_layers:  # a new step (or another engine's layers in this process): certify the last
+                flush()
+            STATE.pending += entries
+            STATE.pending_layers.add(lidx)
+            if len(STATE.pending_layers) >= len(STATE.impls):  # the step's last layer on this rank
+                flush()
+
+        def _finish_one(self, e, bound):
+            """Gate, shadow, summary and record of one request's read; bound [T, H] fp32 (the certificate's min)."""
+            cfg, H, D, Hkv = self.cfg, self.num_heads, self.head_size, self.num_kv_heads
+            G = H // Hkv
+            T, N, pos, q, lidx = e["T"], e["N"], e["pos"], e["q"], e["layer"]
+            tp_rank, pp_rank = STATE.rank
+            key = (e["request"], lidx)
+            rep = STATE.repaired.get(key)
+            if rep is None:
+                rep = STATE.repaired[key] = torch.zeros(Hkv, dtype=torch.bool)
+            fresh = []
+            if cfg.gate.kind == "certified":
+                over = bound.view(T, Hkv, G).amax(dim=(0, 2)) > cfg.gate.tau
+                fresh = (over & ~rep).nonzero().flatten().tolist()
+                rep |= over
+            served = bound.clone()
+            true_tv = None
+            if self.exact_k is not None:
+                bs = e["kv"].shape[2]
+                blocks = e["table"][0, :(N + bs - 1) // bs].long()
+                ek, ev = self._gather(self.exact_k, blocks, N), self._gather(self.exact_v, blocks, N)
+                if bool(rep.any()):  # the gate: these heads read the exact side store from now on
+                    heads = rep.repeat_interleave(G)
+                    exact_out = _attend(q, ek, ev, pos, self.scale)  # [T, H, D]
+                    e["out"][:, heads] = exact_out[:, heads].to(e["out"].dtype)
+                    served[:, heads] = 0.0
+                if cfg.shadow:
+                    kt, _ = self._views(e["kv"])
+                    k = kt[blocks].permute(1, 0, 3, 2).reshape(Hkv, -1, D)[:, :N]  # [Hkv, N, D] as stored
+                    true_tv = _true_tv(q, ek, k, pos, self.scale, rep)  # [T, H]
+            s = STATE.summary[e["request"]]
+            s["rows"] += T
+            s["reads"] += T * H
+            s["max_bound"] = max(s["max_bound"], float(served.max()))
+            s["max_pre_gate"] = max(s["max_pre_gate"], float(bound.max()))
+            s["sum_bound"] += float(served.sum())
+            s["repairs"] += len(fresh)
+            s["repaired_heads"] += [[lidx, tp_rank * Hkv + h] for h in fresh]
+            rec = {"request": e["request"], "layer": lidx, "tp_rank": tp_rank, "pp_rank": pp_rank,
+                   "head_offset": tp_rank * H, "pos": pos.numpy(), "bound": bound.numpy(),
+                   "served": served.numpy(), "repaired": rep.numpy().copy()}
+            if "out_diff" in e:
+                rec["out_diff"] = e["out_diff"]
+            if true_tv is not None:
+                rec["true_tv"] = true_tv.numpy()
+                s["violations"] += int((true_tv > served).sum())
+                s["max_true_tv"] = max(s["max_true_tv"], float(true_tv.max()))
+            STATE.records.append(rec)
+            if cfg.trace_dir:
+                _trace(rec)
 
     class KVCertBackend(CPUAttentionBackend):
         @staticmethod
@@ -338,6 +380,41 @@ def _backend_classes():
             return KVCertImpl
 
     return KVCertBackend, KVCertImpl
+
+
+def _finish(entries):
+    """Certificates of the kernel reads in entries (one epilogue, cpu_fused._certificate, for all their rows
+    with N = the largest N among them: every margin grows with N, so each row's certificate stays an upper
+    bound), then each entry's gate / shadow / summary / record. Rows the epilogue refuses in fp32 (a large
+    witness) are redone by the twin, entry by entry."""
+    pend = [e for e in entries if e["cert"] is None]
+    if pend:
+        impl = pend[0]["impl"]
+        H, D, NB = impl.num_heads, impl.head_size, impl._bands64.shape[0]
+        stats = torch.cat([e["stats"].view(-1, 1, H, 5) for e in pend])
+        cert = cpu_fused._certificate(stats, NB, max(e["N"] for e in pend), D)
+        if cert is not None:
+            bound, i = cert["min"][:, 0], 0
+            for e in pend:
+                e["bound"] = bound[i:i + e["T"]]
+                i += e["T"]
+    for e in entries:
+        if "bound" not in e:
+            cert = e["cert"]
+            if cert is None:
+                cert = cpu_fused._certificate(e["stats"], e["impl"]._bands64.shape[0], e["N"], e["impl"].head_size)
+            if cert is None:
+                cert = e["impl"]._twin(e["q"], e["kv"], e["table"], e["N"], e["pos"])[2]
+            e["bound"] = cert["min"][0]
+        e["impl"]._finish_one(e, e["bound"])
+
+
+def flush():
+    """Certify the reads left pending (gate none, no shadow: once per step, after the last layer)."""
+    pend, STATE.pending = STATE.pending, []
+    STATE.pending_layers = set()
+    if pend:
+        _finish(pend)
 
 
 def _cast(x, codec):
@@ -419,6 +496,7 @@ class KVCertWorker:
     """worker_extension_cls: LLM.collective_rpc("kvcert_collect") pulls each rank's records."""
 
     def kvcert_collect(self, clear=True, records=True):
+        flush()
         out = {"rank": list(STATE.rank), "side_bytes": STATE.side_bytes,
                "summary": {k: dict(v) for k, v in STATE.summary.items()},
                "records": [_plain(r) for r in STATE.records] if records else []}

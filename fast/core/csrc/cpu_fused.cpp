@@ -117,7 +117,19 @@ struct Seg {
     int64_t n;
     int is_int8;
     int rho_u8;
+    // paged (bs > 0; fp32 rows, k / v / rho only): token j of sequence b lives in block table[b * tb_sb + j / bs]
+    // at slot j % bs; the *_sb strides are then per block. k_t: keys stored transposed per block, [D, bs]
+    // (vLLM's CPU cache); values and witness rows stay [bs, D] / [bs, NB].
+    const int32_t* table; int64_t tb_sb;
+    int64_t bs;
+    int k_t;
 };
+
+// element offset of token j's row (length len) in an array of the segment with strides (sb, sh)
+inline int64_t row_off(const Seg& sg, int64_t sb, int64_t sh, int64_t b, int64_t h, int64_t j, int64_t len) {
+    if (!sg.bs) return b * sb + h * sh + j * len;
+    return (int64_t)sg.table[b * sg.tb_sb + j / sg.bs] * sb + h * sh + (j % sg.bs) * len;
+}
 
 struct Args {
     int64_t B, T, H, Hkv, D, NB, ngk, ngv;
@@ -152,7 +164,14 @@ inline const float* seg_row(const Seg& sg, bool values, int64_t b, int64_t h, in
     const void* base = values ? sg.v : sg.k;
     const int64_t sb = values ? sg.v_sb : sg.k_sb, sh = values ? sg.v_sh : sg.k_sh;
     if (!sg.is_int8) {
-        const float* r = (const float*)base + b * sb + h * sh + jj * D;
+        const float* r;
+        if (!values && sg.k_t) {  // [D, bs] block: gather the row (exact copies)
+            const float* kb = (const float*)base + (int64_t)sg.table[b * sg.tb_sb + jj / sg.bs] * sb + h * sh + jj % sg.bs;
+            for (int64_t d = 0; d < D; ++d) buf[d] = kb[d * sg.bs];
+            r = buf;
+        } else {
+            r = (const float*)base + row_off(sg, sb, sh, b, h, jj, D);
+        }
         if (smax)
             for (int64_t d = 0; d < D; ++d) smax[D + d] = std::max(smax[D + d], std::fabs(r[d]));
         return r;
@@ -313,6 +332,42 @@ void run(const Args& a) {
         alignas(32) float kb[8 * 512];
         __m256 nanv = _mm256_setzero_ps();
         const __m256 sv8 = _mm256_set1_ps(a.s);
+        if (a.seg[0].k_t && a.seg[0].bs % 8 == 0 && !a.seg[0].is_int8) {
+            // keys transposed per block ([D, bs], vLLM's CPU cache): 8 tokens of one block side by side in a
+            // register (j0 and bs are multiples of 8), acc[l] is lane l of the scalar dot product (d = l, l + 8,
+            // ... by fma in order) for the 8 tokens at once, and the scalar tree is vertical: the same bits
+            const Seg& sg = a.seg[0];
+            alignas(32) float kmx[8 * 512];  // per channel, 8 lanes: max |k| over the chunk's tokens
+            std::fill(kmx, kmx + 8 * D, 0.0f);
+            const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+            for (; j + 8 <= std::min(j1, N0); j += 8) {
+                const float* kt = (const float*)sg.k + (int64_t)sg.table[b * sg.tb_sb + j / sg.bs] * sg.k_sb + h * sg.k_sh + j % sg.bs;
+                for (int64_t d = 0; d < D; ++d)
+                    _mm256_store_ps(kmx + 8 * d, _mm256_max_ps(_mm256_load_ps(kmx + 8 * d), _mm256_and_ps(_mm256_loadu_ps(kt + d * sg.bs), absm)));
+                uint8_t vj[8];
+                int64_t pj[8];
+                for (int t = 0; t < 8; ++t) {
+                    vj[t] = !sg.valid || sg.valid[b * sg.va_sb + h * sg.va_sh + j + t];
+                    pj[t] = tok_pos(sg, b, h, j + t, 0);
+                }
+                for (int64_t r = 0; r < R; ++r) {
+                    const float* qq = &qr[r * D];
+                    __m256 acc[8];
+                    for (int l = 0; l < 8; ++l) acc[l] = _mm256_setzero_ps();
+                    for (int64_t d = 0; d < D; d += 8)
+                        for (int l = 0; l < 8; ++l)
+                            acc[l] = _mm256_fmadd_ps(_mm256_set1_ps(qq[d + l]), _mm256_loadu_ps(kt + (d + l) * sg.bs), acc[l]);
+                    const __m256 dot = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])),
+                                                     _mm256_add_ps(_mm256_add_ps(acc[4], acc[5]), _mm256_add_ps(acc[6], acc[7])));
+                    const __m256 x = _mm256_mul_ps(dot, sv8);
+                    _mm256_storeu_ps(lg + r * N + j, x);
+                    nanv = _mm256_add_ps(nanv, _mm256_mul_ps(x, _mm256_setzero_ps()));
+                    for (int t = 0; t < 8; ++t) okr[r * N + j + t] = vj[t] && pj[t] <= qpr[r];
+                }
+            }
+            for (int64_t d = 0; d < D; ++d)
+                for (int l = 0; l < 8; ++l) km[D + d] = std::max(km[D + d], kmx[8 * d + l]);
+        }
         for (; j + 8 <= std::min(j1, N0); j += 8) {
             const Seg& sg = a.seg[0];
             uint8_t vj[8];
@@ -426,7 +481,7 @@ void run(const Args& a) {
                     __m256 x[8];
                     for (int t = 0; t < 8; ++t) {
                         const bool ex = sg.exact && sg.exact[b * sg.ex_sb + h * sg.ex_sh + j + t];
-                        const uint8_t* rc = (const uint8_t*)sg.rho + b * sg.r_sb + h * sg.r_sh + (j + t) * 8;
+                        const uint8_t* rc = (const uint8_t*)sg.rho + row_off(sg, sg.r_sb, sg.r_sh, b, h, j + t, 8);
                         const __m256i ci = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)rc));
                         if (ex) {
                             x[t] = _mm256_setzero_ps();
@@ -462,10 +517,10 @@ void run(const Args& a) {
             for (; j < std::min(j1, N0); ++j) {
                 if (!sg.rho || (sg.exact && sg.exact[b * sg.ex_sb + h * sg.ex_sh + j])) continue;
                 if (sg.rho_u8) {
-                    const uint8_t* rc = (const uint8_t*)sg.rho + b * sg.r_sb + h * sg.r_sh + j * NB;
+                    const uint8_t* rc = (const uint8_t*)sg.rho + row_off(sg, sg.r_sb, sg.r_sh, b, h, j, NB);
                     for (int64_t k = 0; k < NB; ++k) rt[k * L + (j - j0)] = a.lut[rc[k]];
                 } else {
-                    const float* rf = (const float*)sg.rho + b * sg.r_sb + h * sg.r_sh + j * NB;
+                    const float* rf = (const float*)sg.rho + row_off(sg, sg.r_sb, sg.r_sh, b, h, j, NB);
                     for (int64_t k = 0; k < NB; ++k) rt[k * L + (j - j0)] = rf[k];
                 }
             }
