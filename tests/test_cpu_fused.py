@@ -368,3 +368,46 @@ def test_paged_seg_refuses_bad_tables():
             cpu_fused.paged_seg(16, k=kc, v=vc, rho=None, table=table, k_transposed=True)
     with pytest.raises(ValueError, match="fp32"):
         cpu_fused.paged_seg(16, k=kc.half(), v=vc, rho=None, table=ok, k_transposed=True)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 6), D=st.sampled_from([16, 64, 80]), bs=st.sampled_from([8, 32]),
+       spread=st.sampled_from([0.0, 10.0, 40.0]), same=st.booleans())
+def test_paged_witness_is_the_witness(seed, n, D, bs, spread, same):
+    """cpu_fused.paged_witness (C++, in place on vLLM's key layout): equal to fast.core.witness.witness of
+    the key against the stored key (up to one fp32 ulp: the sum order may differ), never below the exact band
+    norm (mpmath, 60 digits), RHO_MIN for nonzero values below it (so also where the cache holds the key exactly);
+    slots < 0 left untouched."""
+    from fast.core.witness import witness
+    g = torch.Generator().manual_seed(seed)
+    Hkv, NB, nb = 2, 4, 3
+    mags = torch.exp2((torch.randn(D, generator=g) * spread).clamp(-60, 60))  # finite products, subnormal differences
+    key = torch.randn(n, Hkv, D, generator=g) * mags
+    kt = torch.randn(nb, Hkv, D, bs, generator=g) * mags[:, None]
+    slots = torch.randperm(nb * bs, generator=g)[:n]
+    slots[0] = -1 if n > 1 else slots[0]
+    if same:  # a slot holding the key exactly: witness 0
+        i = n - 1
+        kt[slots[i] // bs, :, :, slots[i] % bs] = key[i]
+    rho = torch.full((nb, Hkv, bs, NB), -7.0)
+    bands = fast.rope_bands(D, NB)
+    cpu_fused.paged_witness(key, kt, slots, rho, bands)
+    for i, sl in enumerate(slots.tolist()):
+        if sl < 0:
+            continue
+        got = rho[sl // bs, :, sl % bs]
+        st_ = kt[sl // bs, :, :, sl % bs]
+        want = witness(key[i][None, :, None], st_[None, :, None], bands, backend="torch")[0, :, 0]
+        want = torch.where((want > 0) & (want < cpu_fused.RHO_MIN), torch.tensor(cpu_fused.RHO_MIN), want)
+        assert (got.view(torch.int32) - want.view(torch.int32)).abs().max() <= 1, (got, want)
+        with workdps(60):
+            for h in range(Hkv):
+                for b in range(NB):
+                    exact = fsum((mpf(float(key[i, h, d])) - mpf(float(st_[h, d]))) ** 2 for d in bands[b].tolist()) ** 0.5
+                    assert mpf(float(got[h, b])) >= exact, (h, b, float(got[h, b]), exact)
+        if same and i == n - 1:  # up64(0) > 0, raised to the kernel's minimum: tiny, still a witness
+            assert bool((got == cpu_fused.RHO_MIN).all()), got
+    assert int((rho == -7.0).sum()) == (nb * bs - int((slots >= 0).sum())) * Hkv * NB  # nothing else written
+    key[-1, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        cpu_fused.paged_witness(key, kt, slots, rho, bands)

@@ -160,6 +160,10 @@ def _lib(scalar=False):
         lib.kvcert_exp_check.restype = ctypes.c_double
         lib.kvcert_exp_one.argtypes = [ctypes.c_float]
         lib.kvcert_exp_one.restype = ctypes.c_float
+        lib.kvcert_paged_witness.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                             ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                             ctypes.c_int64, ctypes.c_int64, ctypes.c_double, ctypes.c_float, ctypes.c_void_p]
+        lib.kvcert_paged_witness.restype = ctypes.c_int64
         lib.kvcert_lut_is_grid.argtypes = [ctypes.c_void_p]
         lib.kvcert_lut_is_grid.restype = ctypes.c_int
         _LIB[scalar] = lib
@@ -347,6 +351,29 @@ def paged_seg(n, *, k, v, rho, table, k_transposed):
     c.table, c.tb_sb, c.bs, c.k_t = table.data_ptr(), table.stride(0), bs, int(k_transposed)
     keep["table"] = table
     return keep
+
+
+def paged_witness(key, kt, slots, rho, bands):
+    """Write the band witness of exact keys key [n, Hkv, D] fp32 against the keys a paged cache stores for
+    them (kt [num_blocks, Hkv, D, bs] fp32, each (block, head) slab contiguous: vLLM's CPU layout) into
+    rho [num_blocks, Hkv, bs, NB] fp32 at slots [n] int64 (< 0: skipped): fast.core.witness.witness op for op
+    in C++ (csrc: kvcert_paged_witness), nonzero values below RHO_MIN raised to it. NaN/Inf: ValueError."""
+    n, Hkv, D = key.shape
+    nb, bs = kt.shape[0], kt.shape[3]
+    NB, W = bands.shape
+    if key.dtype != torch.float32 or kt.dtype != torch.float32 or rho.dtype != torch.float32:
+        raise ValueError("paged_witness: fp32 keys, cache and witness")
+    if tuple(kt.shape[1:3]) != (Hkv, D) or kt.stride(3) != 1 or kt.stride(2) != bs:
+        raise ValueError(f"paged_witness: cache {tuple(kt.shape)} does not hold [.., {Hkv}, {D}, bs] slabs")
+    if tuple(rho.shape) != (nb, Hkv, bs, NB) or not rho.is_contiguous() or D > 512:
+        raise ValueError(f"paged_witness: witness {tuple(rho.shape)} != ({nb}, {Hkv}, {bs}, {NB})")
+    if slots.numel() != n or (n and int(slots.max()) >= nb * bs):
+        raise ValueError(f"paged_witness: {slots.numel()} slots for {n} keys, or a slot beyond {nb * bs}")
+    key, slots, bands = key.contiguous(), slots.to(torch.int64).contiguous(), bands.to(torch.int64).contiguous()
+    bad = _lib().kvcert_paged_witness(key.data_ptr(), n, Hkv, D, kt.data_ptr(), kt.stride(0), kt.stride(1), bs,
+                                      slots.data_ptr(), bands.data_ptr(), NB, W, _band_margin(W), RHO_MIN, rho.data_ptr())
+    if bad:
+        raise ValueError(f"paged_witness: {bad} key rows hold NaN/Inf (exact or stored): nothing certified for them")
 
 
 # ---- the attention_rows contract ----

@@ -6,7 +6,7 @@ backend is replaced by KVCertBackend, whose impl
 - do_kv_cache_update: casts keys and values with the configured codec (KVCERT_CODEC, vLLM's own
   fp8 truncating cast, fast.integrations.vllm_fp8), lets vLLM write them into its paged cache,
   READS BACK the stored keys and computes the band witness (math.md T4) of the exact key against
-  exactly what is stored, per cache slot: rho [num_blocks, Hkv, block_size, NB], a side tensor
+  exactly what is stored (cpu_fused.paged_witness, in place), per cache slot: rho [num_blocks, Hkv, block_size, NB], a side tensor
   mirroring the paged cache, rewritten whenever the slot is (block reuse, prefix caching,
   preemption and recompute stay right);
 - forward: every query row of every request that reads the cache (decode, prefill, chunked prefill,
@@ -221,16 +221,21 @@ def _backend_classes():
             if self.rho is None:
                 self._alloc(kv_cache, layer)
             self.kv_ref = kv_cache
+            kt, _ = self._views(kv_cache)
+            if cpu_fused.available():  # the witness of each written slot, from the key vLLM stored (read back in place)
+                cpu_fused.paged_witness(key.float(), kt, slot_mapping, self.rho, self.band_idx)
+                if self.exact_k is None:
+                    return
             ok = slot_mapping >= 0
             slots, key, value = slot_mapping[ok], key[ok], value[ok]
             bs = kv_cache.shape[2]
             blk, off = slots // bs, slots % bs
-            kt, _ = self._views(kv_cache)
-            stored = kt[blk, :, :, off]  # [n, Hkv, D]: what vLLM stored, read back
-            rho = witness(key.float().permute(1, 0, 2)[None], stored.permute(1, 0, 2)[None], self.band_idx,
-                          backend="torch")  # [1, Hkv, n, NB]
-            rho = torch.where((rho > 0) & (rho < cpu_fused.RHO_MIN), cpu_fused.RHO_MIN, rho)  # rounded up: still a witness
-            self.rho[blk, :, off] = rho[0].permute(1, 0, 2)
+            if not cpu_fused.available():  # the same witness in torch
+                stored = kt[blk, :, :, off]  # [n, Hkv, D]: what vLLM stored, read back
+                rho = witness(key.float().permute(1, 0, 2)[None], stored.permute(1, 0, 2)[None], self.band_idx,
+                              backend="torch")  # [1, Hkv, n, NB]
+                rho = torch.where((rho > 0) & (rho < cpu_fused.RHO_MIN), cpu_fused.RHO_MIN, rho)  # rounded up: still a witness
+                self.rho[blk, :, off] = rho[0].permute(1, 0, 2)
             if self.exact_k is not None:
                 self.exact_k[blk, :, off] = key.float()
                 self.exact_v[blk, :, off] = value.float()

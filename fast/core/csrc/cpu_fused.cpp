@@ -675,4 +675,49 @@ double kvcert_exp_check(float lo, double* abs_max, int threads) {
 }
 
 float kvcert_exp_one(float x) { return kv_exp(x); }
+
+// The band witness (math.md T4) of n exact keys against what a paged cache stores for them, written into the
+// paged witness tensor: fast.core.witness.witness (band_norms_up) op for op: r = fl64(k - k~) (one rounding at
+// most), the W squares and their sum in fp64 (any order), sqrt, times margin = 1 + 2 gamma_{W+4}, one ulp up;
+// cast to fp32 rounded up; a nonzero result below rho_min raised to rho_min (still a witness). key [n, Hkv, D]
+// fp32; the stored key of slot s in block s / bs, offset s % bs: kt + blk * k_sb + h * k_sh + d * bs + off
+// (keys [D, bs] per block, vLLM's CPU cache); slots < 0 are skipped; rho [blocks, Hkv, bs, NB] contiguous.
+// Returns the number of non-finite keys or stored keys met (the caller raises; nothing is written for them).
+int64_t kvcert_paged_witness(const float* key, int64_t n, int64_t Hkv, int64_t D, const float* kt, int64_t k_sb,
+                             int64_t k_sh, int64_t bs, const int64_t* slots, const int64_t* bands, int64_t NB, int64_t W,
+                             double margin, float rho_min, float* rho) {
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t sl = slots[i];
+        if (sl < 0) continue;
+        const int64_t blk = sl / bs, off = sl % bs;
+        for (int64_t h = 0; h < Hkv; ++h) {
+            const float* k = key + (i * Hkv + h) * D;
+            const float* st = kt + blk * k_sb + h * k_sh + off;
+            double r[512];
+            bool finite = true;
+            for (int64_t d = 0; d < D; ++d) {
+                r[d] = (double)k[d] - (double)st[d * bs];
+                finite = finite && std::isfinite(r[d]);
+            }
+            if (!finite) {
+                ++bad;
+                continue;
+            }
+            float* out = rho + ((blk * Hkv + h) * bs + off) * NB;
+            for (int64_t b = 0; b < NB; ++b) {
+                double ss = 0.0;
+                for (int64_t w = 0; w < W; ++w) {
+                    const double x = r[bands[b * W + w]];
+                    ss += x * x;
+                }
+                const double nrm = std::nextafter(std::sqrt(ss) * margin, INFINITY);
+                float f = (float)nrm;
+                if ((double)f < nrm) f = std::nextafter(f, INFINITY);
+                out[b] = (f > 0.0f && f < rho_min) ? rho_min : f;
+            }
+        }
+    }
+    return bad;
+}
 }
