@@ -315,7 +315,7 @@ def test_vector_paths_same_bits_as_scalar(case):
 
 PAGED = st.fixed_dictionaries({
     "seed": st.integers(0, 2**31 - 1), "B": st.integers(1, 2), "T": st.integers(1, 3), "Hkv": st.integers(1, 2),
-    "G": st.integers(1, 3), "N": st.integers(1, 70), "bs": st.sampled_from([8, 16, 32]), "D": st.sampled_from([64, 80]),
+    "G": st.integers(1, 3), "N": st.integers(1, 70), "bs": st.sampled_from([8, 12, 16, 24, 32]), "D": st.sampled_from([64, 80]),
     "transposed": st.booleans(), "certify": st.booleans()})
 
 

@@ -108,7 +108,8 @@ class _Seg(ctypes.Structure):
         ("exact", ctypes.c_void_p), ("ex_sb", ctypes.c_int64), ("ex_sh", ctypes.c_int64),
         ("pos", ctypes.c_void_p), ("p_sb", ctypes.c_int64), ("p_sh", ctypes.c_int64),
         ("n", ctypes.c_int64), ("is_int8", ctypes.c_int), ("rho_u8", ctypes.c_int),
-        ("table", ctypes.c_void_p), ("tb_sb", ctypes.c_int64), ("bs", ctypes.c_int64), ("k_t", ctypes.c_int)]]
+        ("table", ctypes.c_void_p), ("tb_sb", ctypes.c_int64), ("bs", ctypes.c_int64), ("k_t", ctypes.c_int),
+        ("bs_log2", ctypes.c_int)]]
 
 
 class _Args(ctypes.Structure):
@@ -349,6 +350,7 @@ def paged_seg(n, *, k, v, rho, table, k_transposed):
     if int(used.min()) < 0 or int(used.max()) >= nb:
         raise ValueError(f"table: block ids must lie in [0, {nb})")
     c.table, c.tb_sb, c.bs, c.k_t = table.data_ptr(), table.stride(0), bs, int(k_transposed)
+    c.bs_log2 = bs.bit_length() - 1 if bs & (bs - 1) == 0 else -1
     keep["table"] = table
     return keep
 

@@ -123,11 +123,14 @@ struct Seg {
     const int32_t* table; int64_t tb_sb;
     int64_t bs;
     int k_t;
+    int bs_log2;  // log2(bs) when bs is a power of two (shifts instead of divisions), else -1
 };
 
 // element offset of token j's row (length len) in an array of the segment with strides (sb, sh)
 inline int64_t row_off(const Seg& sg, int64_t sb, int64_t sh, int64_t b, int64_t h, int64_t j, int64_t len) {
     if (!sg.bs) return b * sb + h * sh + j * len;
+    if (sg.bs_log2 >= 0)
+        return (int64_t)sg.table[b * sg.tb_sb + (j >> sg.bs_log2)] * sb + h * sh + (j & (sg.bs - 1)) * len;
     return (int64_t)sg.table[b * sg.tb_sb + j / sg.bs] * sb + h * sh + (j % sg.bs) * len;
 }
 
@@ -538,15 +541,16 @@ void run(const Args& a) {
         // the chunk's values dequantized once (exact), then per row and 64 channels 8 register
         // accumulators over the tokens in order: the same fma sequence per (row, channel) as below
         static thread_local std::vector<float> vbuf;
+        static thread_local std::vector<const float*> vrow;  // each token's fp32 row: in vbuf (codes) or in place
         vbuf.resize((size_t)(L * D));
+        vrow.resize((size_t)L);
         float* VB = vbuf.data();
+        const float** VR = vrow.data();
         for (int64_t j = j0; j < j1; ++j) {
             const bool quant = j < N0;
             const Seg& sg = a.seg[quant ? 0 : 1];
             const int64_t jj = quant ? j : j - N0;
-            float* dst = VB + (j - j0) * D;
-            const float* vr = seg_row(sg, true, b, h, jj, D, quant ? a.ngv : 1, dst, nullptr);
-            if (vr != dst) std::memcpy(dst, vr, D * 4);
+            VR[j - j0] = seg_row(sg, true, b, h, jj, D, quant ? a.ngv : 1, VB + (j - j0) * D, nullptr);
         }
         for (int64_t r = 0; r < R; ++r) {
             const float* wr = lg + r * N + j0;
@@ -558,7 +562,7 @@ void run(const Args& a) {
                     const float w = wr[j];
                     if (w == 0.0f) continue;
                     const __m256 wv = _mm256_set1_ps(w);
-                    const float* vr = VB + j * D + d0;
+                    const float* vr = VR[j] + d0;
                     if (nc == 8) {
                         for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(vr + 8 * c), acc[c]);
                     } else {
