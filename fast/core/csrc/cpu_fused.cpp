@@ -204,7 +204,8 @@ inline double tree8(const double* x) { return ((x[0] + x[1]) + (x[2] + x[3])) + 
 // [NB][L] (null: not certified), kap the row's kappa. c_j = fl(sum_b kappa_b rho_jb) by fma in band order;
 // Z = sum w, S1 = sum w c, S2 = sum (w c) c in fp64 (w c exact: 24 x 24 bits), max c over readable tokens.
 // 8 lanes (token jj goes to lane jj % 8), then the tree of tree8: the AVX2 loop adds the same numbers in
-// the same order as the scalar tail, so both builds give the same bits. out: Z, S1, S2, max c.
+// the same order as the scalar tail, so both builds give the same bits. out: Z, S1, S2, max c. o null: every
+// token of the chunk is readable (the max over all of them, the same value).
 inline void row_sums(const float* w, const uint8_t* o, const float* rt, const float* kap, int64_t NB, int64_t L, double* out) {
     alignas(32) double lz[8] = {0, 0, 0, 0, 0, 0, 0, 0}, l1[8] = {0, 0, 0, 0, 0, 0, 0, 0}, l2[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     float cm = 0.0f;
@@ -222,8 +223,12 @@ inline void row_sums(const float* w, const uint8_t* o, const float* rt, const fl
             if (!rt) continue;
             __m256 c = _mm256_setzero_ps();
             for (int64_t k = 0; k < NB; ++k) c = _mm256_fmadd_ps(_mm256_set1_ps(kap[k]), _mm256_loadu_ps(rt + k * L + jj), c);
-            const __m256i om = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(o + jj)));
-            cmv = _mm256_max_ps(cmv, _mm256_and_ps(c, _mm256_castsi256_ps(_mm256_cmpgt_epi32(om, zi))));
+            if (o) {
+                const __m256i om = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(o + jj)));
+                cmv = _mm256_max_ps(cmv, _mm256_and_ps(c, _mm256_castsi256_ps(_mm256_cmpgt_epi32(om, zi))));
+            } else {
+                cmv = _mm256_max_ps(cmv, c);
+            }
             const __m256d ca = _mm256_cvtps_pd(_mm256_castps256_ps128(c)), cb = _mm256_cvtps_pd(_mm256_extractf128_ps(c, 1));
             const __m256d wca = _mm256_mul_pd(wa, ca), wcb = _mm256_mul_pd(wb, cb);
             s1a = _mm256_add_pd(s1a, wca);
@@ -249,7 +254,7 @@ inline void row_sums(const float* w, const uint8_t* o, const float* rt, const fl
         const double cd = (double)c, wc = wd * cd;
         l1[l] += wc;
         l2[l] += wc * cd;
-        cm = std::max(cm, o[jj] ? c : 0.0f);
+        cm = std::max(cm, (!o || o[jj]) ? c : 0.0f);
     }
     out[0] = tree8(lz);
     out[1] = tree8(l1);
@@ -527,9 +532,12 @@ void run(const Args& a) {
                     for (int64_t k = 0; k < NB; ++k) rt[k * L + (j - j0)] = rf[k];
                 }
             }
+            // no valid masks or positions: token j sits at position j, so a row at qpos >= j1 - 1 reads the whole chunk
+            const bool plain = !a.seg[0].valid && !a.seg[0].pos && !a.seg[1].valid && !a.seg[1].pos;
             for (int64_t r = 0; r < R; ++r) {
                 const int64_t t = r / G, hq = h * G + r % G;
-                row_sums(lg + r * N + j0, okr + r * N, &rt[0], KAPPA + ((b * T + t) * H + hq) * NB, NB, L, ps + r * 4);
+                const bool all = plain && j1 - 1 <= (int64_t)a.qpos[b * T + t];
+                row_sums(lg + r * N + j0, all ? nullptr : okr + r * N, &rt[0], KAPPA + ((b * T + t) * H + hq) * NB, NB, L, ps + r * 4);
             }
         } else {
             for (int64_t r = 0; r < R; ++r) row_sums(lg + r * N + j0, okr + r * N, nullptr, nullptr, 0, L, ps + r * 4);
