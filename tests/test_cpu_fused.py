@@ -411,3 +411,35 @@ def test_paged_witness_is_the_witness(seed, n, D, bs, spread, same):
     key[-1, 0, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
         cpu_fused.paged_witness(key, kt, slots, rho, bands)
+
+
+EPI = st.fixed_dictionaries({
+    "seed": st.integers(0, 2**31 - 1), "rows": st.integers(1, 40), "N": st.sampled_from([1, 7, 1024, 65536]),
+    "NB": st.sampled_from([4, 8]), "D": st.sampled_from([64, 128]), "cmax": st.sampled_from([0.0, 1e-6, 0.05, 1.0, 6.0, 30.0]),
+    "e": st.sampled_from([0.0, 1e-9, 1e-5, 1e-2, 5.0]), "zeros": st.booleans()})
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=EPI)
+def test_epilogue_cpp_is_the_numpy_epilogue(case):
+    """The C++ certificate epilogue (csrc: epilogue) runs the numpy code's fp64 operations in its order: the same
+    certificate (every key, within one fp32 ulp: expm1 comes from glibc there and from torch here, both inside
+    EXP_EPS), the same refusals (None: rows for the fp64 twin) on stats from tiny to saturated witnesses."""
+    g = torch.Generator().manual_seed(case["seed"])
+    R = case["rows"]
+    st_ = torch.rand(R, 1, 3, 5, dtype=torch.float64, generator=g)
+    cm = st_[..., 3] * case["cmax"]
+    z = 1 + st_[..., 0] * 50
+    st_[..., 1] = z * cm * st_[..., 1]  # S1 <= Z cm, S2 <= S1 cm: as the kernel's sums are
+    st_[..., 2] = st_[..., 1] * cm * st_[..., 2]
+    st_[..., 0], st_[..., 3], st_[..., 4] = z, cm, st_[..., 4] * case["e"]
+    if case["zeros"]:
+        st_[0, ..., 1:4] = 0.0
+    a = cpu_fused._certificate(st_, case["NB"], case["N"], case["D"])
+    b = cpu_fused._certificate_numpy(st_, case["NB"], case["N"], case["D"])
+    assert (a is None) == (b is None), case
+    if a is None:
+        return
+    for key in b:
+        d = (a[key].view(torch.int32).long() - b[key].view(torch.int32).long()).abs().max().item()
+        assert d <= 1, (key, d, case)

@@ -69,6 +69,9 @@ Floating point (math.md T8, matching csrc/cpu_fused.cpp line by line).
 - Z = sum w exactly as the twin forms it (fp32 terms, fp64 sum): forms_from_pmz's own margins apply.
 - Output (not certified; T5 is separate): fp32 accumulation of w v~ per chunk, chunks summed in a fixed
   order, divided by fl32(Z): within ~1e-6 relative of the twin (tests: assert_close rtol 2e-5).
+The epilogue (these sums -> P, M bounds -> forms_from_pmz at fp32 terms) runs in C++ (csrc: epilogue):
+the numpy code's fp64 operations in the same order (_certificate_numpy is the readable statement and the
+fallback; tests/test_cpu_fused.py checks they agree within one fp32 ulp, the room expm1's library leaves).
 Rows with a large cm (forms_from_pmz refuses fp32 terms: max c_eff > CMAX32) are recomputed by
 the twin. NaN/Inf in q, keys or scales: the kernel's logit flag -> ValueError; in values: its
 output flag -> ValueError (attention_rows also runs the twin's input checks first).
@@ -87,7 +90,7 @@ import numpy as np
 import torch
 
 from fast.core import _checks
-from fast.core.certify import CMAX32, U32, U64, _up, forms_from_pmz, gamma
+from fast.core.certify import CERT_KEYS, CMAX32, EXP32_EPS, EXP_EPS, T_CUT, TINY, U32, U64, _up, forms_from_pmz, gamma
 from fast.core.quant import QTensor
 
 SRC = Path(__file__).resolve().parent / "csrc" / "cpu_fused.cpp"
@@ -119,6 +122,11 @@ class _Args(ctypes.Structure):
                 ("W", ctypes.c_int64), ("band_margin", ctypes.c_double), ("e_coef", ctypes.c_double), ("lut", ctypes.c_void_p), ("seg", _Seg * 2), ("out", ctypes.c_void_p), ("stats", ctypes.c_void_p),
                 ("kmax", ctypes.c_void_p), ("nanflag", ctypes.c_void_p), ("certify", ctypes.c_int),
                 ("threads", ctypes.c_int), ("chunk", ctypes.c_int64)]
+
+
+class _EpiConst(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_double) for n in ("f", "g1", "g2", "up_", "g_n", "u", "eps2", "u3", "t_cut", "den", "alpha",
+                                                "exp_eps", "cap", "margin_max")]
 
 
 _LIB = {}
@@ -165,6 +173,8 @@ def _lib(scalar=False):
                                              ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                              ctypes.c_int64, ctypes.c_int64, ctypes.c_double, ctypes.c_float, ctypes.c_void_p]
         lib.kvcert_paged_witness.restype = ctypes.c_int64
+        lib.kvcert_epilogue.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(_EpiConst), ctypes.c_void_p]
+        lib.kvcert_epilogue.restype = ctypes.c_int
         lib.kvcert_lut_is_grid.argtypes = [ctypes.c_void_p]
         lib.kvcert_lut_is_grid.restype = ctypes.c_int
         _LIB[scalar] = lib
@@ -255,9 +265,39 @@ def _band_margin(W):
     return _MARGIN[W]
 
 
+_EPI = {}
+
+
+def _epi_const(NB, N, D):
+    """The scalar constants of _sums_to_pmz and forms_from_pmz (fp32 terms), as those evaluate them."""
+    key = (NB, N, D)
+    if key not in _EPI:
+        u, eps = U32, EXP32_EPS
+        _EPI[key] = _EpiConst(1 + 2 * NB * U32, 2 * gamma(N + 1), 2 * gamma(N + 2), 1 + 2.0 ** -40, gamma(N), u, 2 * eps, 3 * u,
+                              T_CUT[torch.float32], (D + 4) * U32, N * 8 * TINY[torch.float32] * math.exp(CMAX32), EXP_EPS,
+                              CMAX32, 2e-3)
+    return _EPI[key]
+
+
 def _certificate(stats, NB, N, D):
     """The fp32 certificate dict [B, T, H] from the kernel stats [B, T, H, 5]
-    (fast.core.certify.forms_from_pmz), or None when a row needs the twin's fp64 terms."""
+    (fast.core.certify.forms_from_pmz), or None when a row needs the twin's fp64 terms. In C++
+    (csrc: epilogue, the numpy code's operations in its order; tests/test_cpu_fused.py compares them),
+    else _certificate_numpy."""
+    try:
+        lib = _lib()
+    except (OSError, RuntimeError):
+        return _certificate_numpy(stats, NB, N, D)
+    B, T, H, _ = stats.shape
+    st = stats.contiguous()
+    out = torch.empty(len(CERT_KEYS), B * T * H, dtype=torch.float32)
+    if not lib.kvcert_epilogue(st.data_ptr(), B * T * H, ctypes.byref(_epi_const(NB, N, D)), out.data_ptr()):
+        return None
+    return {key: val.view(B, T, H) for key, val in zip(CERT_KEYS, out.unbind(0))}
+
+
+def _certificate_numpy(stats, NB, N, D):
+    """_certificate in numpy: the readable statement of the epilogue (and the fallback)."""
     B, T, H, _ = stats.shape
     st = stats.numpy().reshape(B * T, H, 5)
     e = st[..., 4]

@@ -649,6 +649,73 @@ void run(const Args& a) {
     a.nanflag[1] = nan_out;
 }
 
+// ---- the certificate epilogue (fast.core.cpu_fused._sums_to_pmz + fast.core.certify.forms_from_pmz at fp32 terms) ----
+// The same fp64 operations in the same order as the numpy code, elementwise over the rows; the only library
+// function is expm1 (glibc here, torch's in the numpy path: both within the 2 ulp that EXP_EPS pays for).
+// np.minimum / np.maximum propagate NaN: nmin / nmax do the same.
+inline double up(double x) { return std::nextafter(x, INFINITY); }
+inline double nmin(double a, double b) { return (std::isnan(a) || std::isnan(b)) ? NAN : (a < b ? a : b); }
+inline double nmax(double a, double b) { return (std::isnan(a) || std::isnan(b)) ? NAN : (a > b ? a : b); }
+
+struct EpiConst {
+    double f, g1, g2, up_, g_n, u, eps2, u3, t_cut, den, alpha, exp_eps, cap, margin_max;
+};
+
+// stats [rows, 5] (Z, S1, S2, max c^, e); out [7, rows] fp32 (CERT_KEYS order). Returns 0 when a row needs
+// the fp64 terms (the numpy path returns None there: max cm + 2 max e >= cap, or a wild row), else 1.
+int epilogue(const double* st, int64_t rows, const EpiConst& k, float* out) {
+    std::vector<double> cmv((size_t)rows);
+    double cmx = -INFINITY, ex = -INFINITY;
+    for (int64_t i = 0; i < rows; ++i) {
+        cmv[i] = up(up(st[i * 5 + 3] * k.f) * k.up_);
+        cmx = nmax(cmx, cmv[i]);
+        ex = nmax(ex, st[i * 5 + 4]);
+    }
+    if (!(cmx + 2 * ex < k.cap)) return 0;
+    for (int64_t i = 0; i < rows; ++i) {
+        const double z = st[i * 5 + 0], s1 = st[i * 5 + 1], s2 = st[i * 5 + 2], e = st[i * 5 + 4], cm = cmv[i];
+        // _sums_to_pmz
+        const double a1 = up(((s1 * k.f) * (1 + k.g1)) * k.up_);
+        const double a2 = up((((s2 * k.f) * k.f) * (1 + k.g2)) * k.up_);
+        const double a2lo = std::nextafter((((s2 * k.f) * k.f) * (1 - k.g2)) / k.up_, -INFINITY);
+        const double em = std::expm1(nmin(cm, 700.0)) * (1 + 8 * 0x1p-53);
+        const double p1 = up((a1 + a2 * (0.5 + (cm * (em + 1)) / 6)) * k.up_);
+        const double p2 = cm > 0 ? up((a1 * up(em / cm)) * k.up_) : 0.0;
+        double p = nmin(p1, p2);
+        const double coef = ((0.5 - cm / 6) / k.up_) - 0x1p-50;
+        const double m1 = coef > 0 ? up((a1 - a2lo * nmax(coef, 0.0)) * k.up_) : a1;
+        const double m = nmin(nmin(m1, a1), up((z * (1 + k.g1)) * k.up_));
+        if (!std::isfinite(p)) p = INFINITY;
+        // forms_from_pmz (fp32 terms)
+        const double d = up(2 * e + 0x1p-149);
+        const double cm2 = up(cm + d);
+        const double margin = 2 * (((k.u * nmin((2 * e) / k.den, k.t_cut) + k.eps2) + k.u3) + k.g_n);
+        if (cm2 > k.cap || margin > k.margin_max) return 0;
+        const double em_d = std::fabs(std::expm1(d)), om_d = std::fabs(std::expm1(-d));
+        double em_c = std::fabs(std::expm1(nmin(cm2, 600.0)));
+        const double z_up = z * ((1 + margin) + 2 * k.alpha);
+        const double z_dn = z * ((1 - margin) - 2 * k.alpha);
+        const double p_eff = (1 + em_d * (1 + k.exp_eps)) * (p * (1 + margin) + k.alpha) + (em_d * (1 + k.exp_eps)) * z_up;
+        const double m_eff = (1 - om_d * (1 - k.exp_eps)) * (m * (1 + margin) + k.alpha) + (om_d * (1 + k.exp_eps)) * z_up;
+        const double pz = p_eff / z_dn;
+        em_c = em_c * (1 + k.exp_eps);
+        const double th = em_c / (em_c + 2);
+        const double sc = 1 + 0x1p-46;
+        const double a = up((1 + pz) * sc), mz = up((m_eff / z_dn) * sc), tanh_ = up(th * sc);
+        const double om = up(((p_eff + m_eff) / (z_dn + p_eff)) * sc), ef = up((pz * (1 + 0.5 * pz)) * sc);
+        const double neg_b = nmin(up(mz - 1), 0.0);
+        const double t1 = nmin(tanh_, 1.0), o1 = nmin(om, 1.0);
+        const double low = nmin(nmax(nmin(nmin(t1, o1), ef), 0.0), 1.0);
+        const double vals[7] = {a, neg_b, cm2, t1, o1, ef, low};
+        for (int c = 0; c < 7; ++c) {
+            float y = (float)vals[c];
+            if ((double)y < vals[c]) y = std::nextafter(y, INFINITY);
+            out[c * rows + i] = c == 1 ? -y : y;
+        }
+    }
+    return 1;
+}
+
 }  // namespace
 
 extern "C" {
@@ -658,6 +725,8 @@ int kvcert_fused_abi() { return 1; }
 int kvcert_fused_avx2() { return KVCERT_AVX2; }
 
 int kvcert_lut_is_grid(const float* lut) { return lut_is_grid(lut); }
+
+int kvcert_epilogue(const double* stats, int64_t rows, const EpiConst* k, float* out) { return epilogue(stats, rows, *k, out); }
 
 void kvcert_fused_run(const Args* a) { run(*a); }
 
