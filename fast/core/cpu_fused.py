@@ -78,6 +78,7 @@ output flag -> ValueError (attention_rows also runs the twin's input checks firs
 """
 
 import ctypes
+import functools
 import hashlib
 import math
 import os
@@ -265,18 +266,12 @@ def _band_margin(W):
     return _MARGIN[W]
 
 
-_EPI = {}
-
-
+@functools.lru_cache(maxsize=256)
 def _epi_const(NB, N, D):
     """The scalar constants of _sums_to_pmz and forms_from_pmz (fp32 terms), as those evaluate them."""
-    key = (NB, N, D)
-    if key not in _EPI:
-        u, eps = U32, EXP32_EPS
-        _EPI[key] = _EpiConst(1 + 2 * NB * U32, 2 * gamma(N + 1), 2 * gamma(N + 2), 1 + 2.0 ** -40, gamma(N), u, 2 * eps, 3 * u,
-                              T_CUT[torch.float32], (D + 4) * U32, N * 8 * TINY[torch.float32] * math.exp(CMAX32), EXP_EPS,
-                              CMAX32, 2e-3)
-    return _EPI[key]
+    u, eps = U32, EXP32_EPS
+    return _EpiConst(1 + 2 * NB * U32, 2 * gamma(N + 1), 2 * gamma(N + 2), 1 + 2.0 ** -40, gamma(N), u, 2 * eps, 3 * u,
+                     T_CUT[torch.float32], (D + 4) * U32, N * 8 * TINY[torch.float32] * math.exp(CMAX32), EXP_EPS, CMAX32, 2e-3)
 
 
 def _certificate(stats, NB, N, D):

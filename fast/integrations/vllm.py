@@ -208,6 +208,9 @@ def _backend_classes():
         def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
             if self.attn_type != AttentionType.DECODER:
                 return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+            if STATE.pending_layers and _layer_index(layer) in STATE.pending_layers:
+                flush()  # a new step reached a layer still pending (e.g. other engines' layers in this process): certify
+                #          the last step's reads before this write can reuse a slot they read
             n = slot_mapping.shape[0]
             key, value = key[:n], value[:n]  # [n, Hkv, D]
             codec = self.cfg.codec
@@ -321,8 +324,6 @@ def _backend_classes():
             if now:
                 _finish(entries)
                 return
-            if lidx in STATE.pending_layers:  # a new step (or another engine's layers in this process): certify the last
-                flush()
             STATE.pending += entries
             STATE.pending_layers.add(lidx)
             if len(STATE.pending_layers) >= len(STATE.impls):  # the step's last layer on this rank

@@ -159,6 +159,14 @@ inline int64_t tok_pos(const Seg& sg, int64_t b, int64_t h, int64_t j, int64_t p
     return sg.pos ? (int64_t)sg.pos[b * sg.p_sb + h * sg.p_sh + j] : pos0 + j;
 }
 
+// readable flags and positions of the 8 tokens j..j+7 of segment 0
+inline void block_flags(const Seg& sg, int64_t b, int64_t h, int64_t j, uint8_t* vj, int64_t* pj) {
+    for (int t = 0; t < 8; ++t) {
+        vj[t] = !sg.valid || sg.valid[b * sg.va_sb + h * sg.va_sh + j + t];
+        pj[t] = tok_pos(sg, b, h, j + t, 0);
+    }
+}
+
 // Row jj of a segment's keys (values = false) or values, as fp32: code * scale (exact in fp32: 8-bit code,
 // 11-bit fp16 scale) written into buf, or a pointer to the fp32 row. smax (keys only, may be null):
 // per group max of the scales (codes: smax[g]) or per channel max of |k| (fp32 rows: smax[D + d]).
@@ -354,10 +362,7 @@ void run(const Args& a) {
                     _mm256_store_ps(kmx + 8 * d, _mm256_max_ps(_mm256_load_ps(kmx + 8 * d), _mm256_and_ps(_mm256_loadu_ps(kt + d * sg.bs), absm)));
                 uint8_t vj[8];
                 int64_t pj[8];
-                for (int t = 0; t < 8; ++t) {
-                    vj[t] = !sg.valid || sg.valid[b * sg.va_sb + h * sg.va_sh + j + t];
-                    pj[t] = tok_pos(sg, b, h, j + t, 0);
-                }
+                block_flags(sg, b, h, j, vj, pj);
                 for (int64_t r = 0; r < R; ++r) {
                     const float* qq = &qr[r * D];
                     __m256 acc[8];
@@ -381,11 +386,9 @@ void run(const Args& a) {
             uint8_t vj[8];
             int64_t pj[8];
             const float* kp[8];  // kb + t D (codes) or the fp32 row itself
-            for (int t = 0; t < 8; ++t) {
+            for (int t = 0; t < 8; ++t)
                 kp[t] = seg_row(sg, false, b, h, j + t, D, sg.is_int8 ? a.ngk : 1, kb + t * D, sg.is_int8 ? gm : km);
-                vj[t] = !sg.valid || sg.valid[b * sg.va_sb + h * sg.va_sh + j + t];
-                pj[t] = tok_pos(sg, b, h, j + t, 0);
-            }
+            block_flags(sg, b, h, j, vj, pj);
             for (int64_t r = 0; r < R; ++r) {
                 const float* qq = &qr[r * D];
                 __m256 acc[8];
