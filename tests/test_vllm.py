@@ -10,6 +10,8 @@ the gate repairs; bad configuration fails before start-up with one line."""
 
 import json
 
+from collections import defaultdict
+
 import numpy as np
 import pytest
 import torch
@@ -289,6 +291,36 @@ def test_vllm_tensor_parallel_ranks_certify_their_own_heads(tiny, monkeypatch):
     for p in parts:
         tv, bound = _cat(p["records"], "true_tv"), _cat(p["records"], "bound")
         assert tv.size > 500 and not (tv > bound).any()
+
+
+def test_vllm_deferred_certificates_hold_against_the_shadow_truth(tiny, shadow_run):
+    """No gate, no shadow: the certificates are computed once per step for all layers and requests (one epilogue,
+    N = the batch's largest). The same prompts and cache size as shadow_run (preemption included; its prefill
+    chunks may fall differently): every (request, layer, position, head) bound of the deferred run is >= the true
+    TV the shadow run measured at that read from its exact side store (keys captured before the cast, never read
+    by the deferred run; a recomputed position has one truth per computation: the largest is used)."""
+    _, shadow_parts, _ = shadow_run
+    llm = _engine(tiny, codec="fp8_e4m3", num_gpu_blocks_override=9)
+    _generate(llm)
+    parts = collect(llm)
+    del llm
+    def rows(ps, key):  # (prompt index, layer, position) -> [computations, H]
+        out = defaultdict(list)
+        for p in ps:
+            for r in p["records"]:
+                req = r["request"].split("-")[0]  # vLLM's ids are "<index>-<random suffix>"
+                for pos, row in zip(r["pos"], np.asarray(r[key], dtype=np.float64)):
+                    out[(req, r["layer"], pos)].append(row)
+        return out
+    bound, truth = rows(parts, "bound"), rows(shadow_parts, "true_tv")
+    assert bound.keys() == truth.keys()
+    checked = 0
+    for k, bs in bound.items():
+        tv = np.max(truth[k], axis=0)
+        for b in bs:
+            assert (b >= tv).all(), (k, b, tv)
+            checked += b.size
+    assert checked > 500, checked
 
 
 def test_vllm_served_output_is_the_engines_attention(tiny):
