@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.ruler import DEFAULT_TASKS
 from benchmarks.stats import auroc, holm, hypergeom_le, mcnemar, wilson
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -355,7 +356,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=40, help="inputs (cycling over tasks, then haystacks)")
     ap.add_argument("--tokens", type=int, default=512)
-    ap.add_argument("--tasks", default="passkey,needle,multikey,multivalue,vartrack")
+    ap.add_argument("--tasks", default=",".join(DEFAULT_TASKS), help="default: the tasks the full cache answers "
+                    "(ruler.DEFAULT_TASKS); vartrack is available")
     ap.add_argument("--haystacks", default="synthetic,natural")
     ap.add_argument("--budgets", default="64,128,256")
     ap.add_argument("--sinks", type=int, default=4)
@@ -363,7 +365,7 @@ def main(argv=None):
     ap.add_argument("--evictors", default=",".join(EVICTORS), help="specs separated by ';' or ','-free names")
     ap.add_argument("--paper", action="store_true", help="also run the papers' conventions: " + "; ".join(PAPER))
     ap.add_argument("--witness-variants", default="g8,c32")
-    ap.add_argument("--calib", type=int, default=20, help="unlabelled prompts for PAGE's tau")
+    ap.add_argument("--calib", type=int, default=100, help="unlabelled prompts for PAGE's tau")
     ap.add_argument("--page-rate", type=float, default=0.5)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--cert-steps", type=int, default=3, help="decode steps certified and traced per input")
@@ -372,6 +374,8 @@ def main(argv=None):
     ap.add_argument("--resummarize", default=None, help="only recompute the summary of this results file")
     ap.add_argument("--resume", action="store_true", help="continue the interrupted run in --out (same settings): "
                     "keep its records and PAGE taus, run the inputs after them")
+    ap.add_argument("--carry", default=None, help="start from the records of this earlier results file for the inputs "
+                    "it holds (same settings except --tasks and --n; PAGE is calibrated afresh)")
     args = ap.parse_args(argv)
     if args.resummarize:
         data = json.loads(Path(args.resummarize).read_text())
@@ -389,30 +393,35 @@ def main(argv=None):
             ap.error(f"--witness-variants: {v!r} is not gN or cN")
         variants[v] = {"group_size": int(v[1:]), "cluster": v[0] == "c"}
     torch.set_num_threads(args.threads)
-    from benchmarks.ruler import examples, resumed
+    from benchmarks.ruler import carried, examples, resumed
     from fast.integrations.model import load_smollm2
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
     model, tok = load_smollm2()
     t0 = time.time()
-    records, before = [], 0.0
+    records, before, args.carried = [], 0.0, None
+    keys = ("n", "tasks", "haystacks", "tokens", "budgets", "sinks", "window_frac", "evictors", "witness_variants",
+            "page_evict_rate", "batch", "cert_steps")
+    now = {"n": args.n, "tasks": args.tasks, "haystacks": args.haystacks, "tokens": args.tokens, "budgets": args.budgets,
+           "sinks": args.sinks, "window_frac": args.window_frac, "evictors": args.evictors,
+           "witness_variants": list(variants), "page_evict_rate": args.page_rate, "batch": args.batch,
+           "cert_steps": args.cert_steps}
+    exs = examples(args.n, tasks=tuple(args.tasks), haystacks=tuple(args.haystacks))
     if args.resume:
-        keys = ("n", "tasks", "haystacks", "tokens", "budgets", "sinks", "window_frac", "evictors", "witness_variants",
-                "page_evict_rate", "batch", "cert_steps")
-        now = {"n": args.n, "tasks": args.tasks, "haystacks": args.haystacks, "tokens": args.tokens, "budgets": args.budgets,
-               "sinks": args.sinks, "window_frac": args.window_frac, "evictors": args.evictors,
-               "witness_variants": list(variants), "page_evict_rate": args.page_rate, "batch": args.batch,
-               "cert_steps": args.cert_steps}
         records, before = resumed(args.out, now, keys)
-    if records:
+    elif args.carry:
+        records, args.carried = carried(args.carry, now, keys, exs)
+        print(f"carried {len(records)} inputs from {args.carry}", flush=True)
+    if records and args.resume:
         old = json.loads(Path(args.out).read_text())
         taus, calib_drops, calib_info = old["page_tau"], old["page_calib_drops"], old["settings"]["calib"]
+        args.carried = old["settings"].get("carried")
         t0 -= before
         print(f"resuming {args.out}: {len(records)} inputs done", flush=True)
     else:
         taus, calib_drops, calib_info = calibrate_taus(model, tok, args)
         print(f"calibrated PAGE on {calib_info['n']} prompts in {time.time() - t0:.0f}s: {taus}", flush=True)
-    exs = examples(args.n, tasks=tuple(args.tasks), haystacks=tuple(args.haystacks))[len(records):]
+    exs = exs[len(records):]
     for batch in batches(exs, args.batch):
         records += run_batch(model, tok, batch, args, variants)
         print(f"[{len(records)}/{args.n}] full {sum(r['full'] for r in records)}/{len(records)}, {time.time() - t0:.0f}s",
@@ -430,6 +439,8 @@ def write(args, argv, records, taus, calib_drops, calib_info, variants, t0):
                 "page_heads": "query", "calib": calib_info, "batch": args.batch,
                 "natural_haystack": natural_source(), "cert_steps": args.cert_steps,
                 "generation": "greedy, ruler.allowance(task) new tokens, stop at <|im_end|>"}
+    if args.carried:
+        settings["carried"] = args.carried    # the first records come from this earlier run (same inputs, same settings)
     cells, pairs, findings = summarize(records, settings, taus)
     data = {"command": "nice -n 10 .venv/bin/python -m benchmarks.evict_eval "
                        + shlex.join(argv if argv is not None else sys.argv[1:]),

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.evict_eval import machine
+from benchmarks.ruler import DEFAULT_TASKS
 from benchmarks.stats import auroc, holm, mcnemar, wilson
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -218,7 +219,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=512)
-    ap.add_argument("--tasks", default="passkey,needle,multikey,multivalue,vartrack")
+    ap.add_argument("--tasks", default=",".join(DEFAULT_TASKS), help="default: the tasks the full cache answers "
+                    "(ruler.DEFAULT_TASKS); vartrack is available")
     ap.add_argument("--haystacks", default="synthetic,natural")
     ap.add_argument("--schemes", default="all", help="comma list, or all (every registered scheme)")
     ap.add_argument("--gates", default="none,certified:0.2,risk:9")
@@ -229,6 +231,8 @@ def main(argv=None):
     ap.add_argument("--resummarize", default=None)
     ap.add_argument("--resume", action="store_true", help="continue the interrupted run in --out (same settings): "
                     "keep its records, run the inputs after them")
+    ap.add_argument("--carry", default=None, help="start from the records of this earlier results file for the inputs "
+                    "it holds (same settings except --tasks and --n)")
     args = ap.parse_args(argv)
     if args.resummarize:
         data = json.loads(Path(args.resummarize).read_text())
@@ -240,21 +244,25 @@ def main(argv=None):
     args.gates = args.gates.split(",")
     args.tasks, args.haystacks = args.tasks.split(","), args.haystacks.split(",")
     torch.set_num_threads(args.threads)
-    from benchmarks.ruler import examples, resumed
+    from benchmarks.ruler import carried, examples, resumed
     from fast.integrations.model import load_smollm2
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
     model, tok = load_smollm2()
     t0 = time.time()
-    records = []
+    records, args.carried = [], None
+    now = {"n": args.n, "tokens": args.tokens, "tasks": args.tasks, "haystacks": args.haystacks, "schemes": args.schemes,
+           "gates": args.gates, "cert_steps": args.cert_steps, "seed0": args.seed0}
+    exs = examples(args.n, tasks=tuple(args.tasks), haystacks=tuple(args.haystacks), seed0=args.seed0)
     if args.resume:
-        now = {"n": args.n, "tokens": args.tokens, "tasks": args.tasks, "haystacks": args.haystacks, "schemes": args.schemes,
-               "gates": args.gates, "cert_steps": args.cert_steps, "seed0": args.seed0}
         records, before = resumed(args.out, now, tuple(now))
         t0 -= before
         if records:
+            args.carried = json.loads(Path(args.out).read_text())["settings"].get("carried")
             print(f"resuming {args.out}: {len(records)} inputs done", flush=True)
-    exs = examples(args.n, tasks=tuple(args.tasks), haystacks=tuple(args.haystacks), seed0=args.seed0)
+    elif args.carry:
+        records, args.carried = carried(args.carry, now, tuple(now), exs)
+        print(f"carried {len(records)} inputs from {args.carry}", flush=True)
     for ex in exs[len(records):]:
         records.append(run_input(model, tok, ex, args))
         r = records[-1]
@@ -270,6 +278,8 @@ def write(args, argv, records, t0):
     settings = {"n": args.n, "done": len(records), "tokens": args.tokens, "tasks": args.tasks, "haystacks": args.haystacks,
                 "schemes": args.schemes, "gates": args.gates, "cert_steps": args.cert_steps, "seed0": args.seed0,
                 "natural_haystack": natural_source(), "cache": "CertifiedCache defaults: sinks 4, window 32, offload full"}
+    if args.carried:
+        settings["carried"] = args.carried    # the first records come from this earlier run (same inputs, same settings)
     cells, findings = summarize(records, settings)
     data = {"command": "nice -n 10 .venv/bin/python -m benchmarks.quant_eval " + shlex.join(argv if argv is not None else sys.argv[1:]),
             "machine": machine(), "model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized, fp32, CPU)",

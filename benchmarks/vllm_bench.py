@@ -74,9 +74,9 @@ def _answers(llm, prompts, n=12):
 def _ruler_prompts(llm, n, tokens):
     """n RULER-style inputs (benchmarks/ruler.py: five tasks, synthetic and natural haystacks, fixed
     seeds apart from the eviction/quantization harness's) as token ids, each with its allowance."""
-    from benchmarks.ruler import allowance, build, examples
+    from benchmarks.ruler import TASKS, allowance, build, examples
     tok = llm.get_tokenizer()
-    exs = examples(n, haystacks=("synthetic", "natural"), seed0=50_000)
+    exs = examples(n, tasks=TASKS, haystacks=("synthetic", "natural"), seed0=50_000)
     return [({"prompt_token_ids": build(tok, ex, tokens)[0][0].tolist()}, ex, allowance(tok, ex)) for ex in exs]
 
 

@@ -46,13 +46,40 @@ def test_natural_haystack_is_installed_prose_and_depths_spread(smollm2):
         make_example("needle", 0, 0.5, "web")
 
 
-# harness inputs (examples(10, both haystacks): task -> seed) and the prompt length at which the
-# full cache answers them; vartrack is never answered by SmolLM2-135M (0 in every results file):
-# its inputs count in accuracy but can never be harmed, so they do not enter harm rates.
-ANSWERED = [("passkey", 384), ("needle", 384), ("multikey", 384), ("multivalue", 320)]
+# every task the harnesses run by default (ruler.DEFAULT_TASKS) and the prompt length at which the
+# full cache answers its first synthetic harness input (examples(10, both haystacks)); vartrack is
+# out of the defaults because SmolLM2-135M never answers it.
+ANSWERED = {"passkey": 384, "needle": 384, "multikey": 384, "multivalue": 320}
 
 
-@pytest.mark.parametrize("task,tokens", ANSWERED)
+def test_default_tasks_are_the_answered_ones():
+    from benchmarks.ruler import DEFAULT_TASKS, TASKS
+    assert set(ANSWERED) == set(DEFAULT_TASKS) and "vartrack" in TASKS and "vartrack" not in DEFAULT_TASKS
+
+
+def test_task_subset_gets_the_inputs_of_the_whole_cycle(tmp_path):
+    """examples(tasks=subset) are exactly the whole cycle's inputs of those tasks, in order, so a
+    subset run can carry an earlier run's records (ruler.carried); other settings are refused."""
+    import json
+    from benchmarks.ruler import DEFAULT_TASKS, TASKS, carried
+    both = ("synthetic", "natural")
+    whole = examples(25, tasks=TASKS, haystacks=both)
+    sub = examples(20, haystacks=both)
+    assert sub == [e for e in whole if e["task"] != "vartrack"] and len({e["seed"] for e in sub}) == 20
+    assert examples(5, tasks=("needle",), cycle=("needle",))[4]["seed"] == 4
+    with pytest.raises(ValueError, match="unknown task"):
+        examples(3, tasks=("sudoku",))
+    recs = [dict(task=e["task"], seed=e["seed"], depth=e["depth"], haystack=e["haystack"], full=1) for e in whole[:12]]
+    src = tmp_path / "old.json"
+    src.write_text(json.dumps({"command": "x", "seconds": 1.0, "settings": {"tokens": 384, "tasks": list(TASKS)},
+                               "records": recs}))
+    got, prov = carried(src, {"tokens": 384, "tasks": list(DEFAULT_TASKS)}, ("tokens", "tasks"), sub)
+    assert [r["seed"] for r in got] == [e["seed"] for e in sub[:len(got)]] and len(got) == 10 and prov["records"] == 10
+    with pytest.raises(ValueError, match="other settings"):
+        carried(src, {"tokens": 512}, ("tokens",), sub)
+
+
+@pytest.mark.parametrize("task,tokens", sorted(ANSWERED.items()))
 def test_full_cache_answers_each_task_at_its_allowance(smollm2, task, tokens):
     """property, on SmolLM2: for each task the full cache answers a harness input within that
     task's allowance (greedy, stop at end-of-turn), and not within half of it for the
