@@ -15,7 +15,7 @@ from fast.integrations.hf_cache import CertifiedCache
 from tests.tiny_model import tiny_ids, tiny_llama
 
 
-def _run(cache_cls, attn, ids, steps, **kw):
+def _run(cache_cls, attn, ids, steps, before_step=None, **kw):
     model = tiny_llama(attn=attn)
     cache = cache_cls(model.config, "int8", **kw)
     logits = []
@@ -23,6 +23,8 @@ def _run(cache_cls, attn, ids, steps, **kw):
         out = model(input_ids=ids, past_key_values=cache, use_cache=True)
         logits.append(out.logits[:, -1])
         for t in range(steps):
+            if before_step:
+                before_step(cache, t)
             hf_meter.set_current(None)
             nxt = ids[:, t % ids.shape[1]][:, None]
             out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
@@ -44,6 +46,34 @@ def test_decode_matches_meter(monkeypatch):
         for name in FORMS:
             assert bool((f[name] >= r[name] * (1 - 1e-5)).all()), name  # both >= the exact formula
             assert bool((f[name] <= r[name] * (1 + 1e-2) + 1e-6).all()), name
+
+
+def test_readable_flags_changed_in_place_are_read():
+    """Segment 0 is reused across steps (appends to the tail do not rebuild it), but a readable flag
+    of a quantized token or of a sink changed in place is read at the next step: the same logits and
+    certificates as a run that rebuilds every segment at every step (a stale segment would still
+    read the masked tokens), and different from a run without the masks."""
+    ids = tiny_ids(B=2, N=60)
+    nqs = set()
+
+    def mask(cache, t, rebuild=False):
+        nqs.add(cache.layers[0].nq)  # no flush during the run: segment 0 is reused unless it is rebuilt
+        if t in (2, 4):
+            for layer in cache.layers:
+                layer.valid[1, :, 20 + t] = False  # a quantized token of row 1
+                layer.valid[0, :, t // 2] = False  # a sink of row 0
+        for layer in cache.layers:
+            if rebuild:
+                layer._seg0 = None
+    reuse, c1 = _run(hf_fused.FusedCertifiedCache, hf_fused.NAME, ids, 6, before_step=mask, window=8, sinks=4)
+    fresh, c2 = _run(hf_fused.FusedCertifiedCache, hf_fused.NAME, ids, 6, before_step=lambda c, t: mask(c, t, True),
+                     window=8, sinks=4)
+    plain, _ = _run(hf_fused.FusedCertifiedCache, hf_fused.NAME, ids, 6, window=8, sinks=4)
+    assert c1.fused_reads == c2.fused_reads == 12 and len(nqs) == 1
+    assert torch.equal(reuse, fresh)
+    assert (reuse[3:, 0] - plain[3:, 0]).abs().max() > 1e-3 and (reuse[3:, 1] - plain[3:, 1]).abs().max() > 1e-3
+    for a, b in zip(c1.records, c2.records):
+        assert torch.equal(a["min"], b["min"])
 
 
 def test_second_turn_rows():

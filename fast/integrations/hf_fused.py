@@ -82,10 +82,14 @@ class FusedLayer(CertifiedLayer):
         u8 = torch.uint8
         va = self.valid.view(u8)  # [B, Hkv, N], bool as bytes (no copy)
         E = self.ex_idx.shape[2]
-        key0 = (nq, E, self.kq.f["codes"].buf.data_ptr() if nq else 0, self.cache.certify, self.valid.data_ptr(),
-                self.valid._version, self.ex_idx.data_ptr())
-        if getattr(self, "_seg0", (None,))[0] == key0 and not self.derived:
-            s0, ng, on_u8, ex_pos = self._seg0[1]  # the quantized part changes only when a block is flushed
+        # the quantized part changes only when a block is flushed (nq, the codes buffer) or when the
+        # readable flags of its tokens or of the overlay change (compared by content: every step's
+        # append to the tail bumps valid's version, which must not rebuild segment 0)
+        key0 = (nq, E, self.kq.f["codes"].buf.data_ptr() if nq else 0, self.cache.certify, self.ex_idx.data_ptr())
+        old = getattr(self, "_seg0", None)
+        if (old is not None and old[0] == key0 and not self.derived and torch.equal(old[2], va[:, :, :nq])
+                and torch.equal(old[3], self.ex_on)):
+            s0, ng, on_u8, ex_pos = old[1]
         else:
             on = self.ex_on
             if E:
@@ -108,7 +112,7 @@ class FusedLayer(CertifiedLayer):
                 ng = (kq.scales.shape[-1], vq.scales.shape[-1])
             else:
                 s0, ng = cpu_fused.seg(Hkv, 0), (1, 1)
-            self._seg0 = (key0, (s0, ng, on_u8, ex_pos))
+            self._seg0 = (key0, (s0, ng, on_u8, ex_pos), va[:, :, :nq].clone(), self.ex_on.clone())
         R = self.k_tail.shape[2]
         tail_pos = _positions(nq + R)[nq:].view(1, 1, R).expand(B, Hkv, R)
         if E:
@@ -177,9 +181,14 @@ def flush_certificates(cache):
     for (N, shape), items in groups.items():
         B = shape[0]
         cert = cpu_fused._certificate(torch.cat([it[1] for it in items]), NB, N, D)
-        for i, (layer, _, _, q) in enumerate(items):
-            c = _twin_cert(layer, q, N) if cert is None else {k: v[i * B:(i + 1) * B] for k, v in cert.items()}
-            _record(layer, c, shape[1])
+        if cert is None:  # a row needs the twin's fp64 terms: each layer's certificate from the twin
+            for layer, _, _, q in items:
+                _record(layer, *_last(_twin_cert(layer, q, N)), shape[1])
+            continue
+        last, rows_min = _last(cert)  # [layers * B, H]: each layer's record takes its B rows (views)
+        for i, (layer, _, _, _) in enumerate(items):
+            sl = slice(i * B, (i + 1) * B)
+            _record(layer, {k: v[sl] for k, v in last.items()}, rows_min[sl], shape[1])
 
 
 def _scale(cache):
@@ -197,14 +206,22 @@ def _twin_cert(layer, q, N):
     return c
 
 
-def _record(layer, cert, T):
+def _record(layer, last, rows_min, T):
+    """One record as the meter writes it: last = pre_min, max_c and the forms [B, H] of the last row;
+    rows_min [B, T, H] (kept for multi-row reads)."""
     layer.steps += 1
-    rec = {"step": layer.steps, "layer": layer.layer_idx, "rows": T, "pre_min": cert["min"][:, -1],
-           "repaired": layer.repaired.clone(), "fresh_repairs": 0, "max_c": cert["max_c"][:, -1].float()}
-    rec.update({f: cert[f][:, -1].float() for f in FORMS})  # [B, H] of the last row, as the meter records
+    rec = {"step": layer.steps, "layer": layer.layer_idx, "rows": T, "repaired": layer.repaired.clone(), "fresh_repairs": 0}
+    rec.update(last)
     if T > 1:
-        rec["rows_min"] = cert["min"]  # [B, T, H]
+        rec["rows_min"] = rows_min
     layer.cache.records.append(rec)
+
+
+def _last(cert):
+    """(last, rows_min): the _record arguments of a certificate dict [B, T, H] (one layer, or a step's group)."""
+    last = {"pre_min": cert["min"][:, -1], "max_c": cert["max_c"][:, -1].float()}
+    last.update({f: cert[f][:, -1].float() for f in FORMS})
+    return last, cert["min"]
 
 
 def fused_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
