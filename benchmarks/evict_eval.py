@@ -274,6 +274,13 @@ def summarize(records, settings, taus):
     return cells, pairs, findings
 
 
+def carried_note(st):
+    """'; the first K inputs carried from FILE (...)' when the run started from an earlier one's records."""
+    c = st.get("carried")
+    return (f"; the first {c['records']} inputs' records carried from {c['file']} (the same inputs and settings, "
+            f"run with more tasks: `--carry`)" if c else "")
+
+
 def tables(data):
     st, cells = data["settings"], data["cells"]
     n = len(data["records"])
@@ -283,7 +290,7 @@ def tables(data):
     head = (f"SmolLM2-135M, {n} inputs of ~{st['tokens']} tokens ({', '.join(st['tasks'])}; haystacks "
             + ", ".join(f"{h} {sum(v)}/{len(v)}" for h, v in by_hay.items())
             + f" answered by the full cache; per task " + ", ".join(f"{t} {sum(v)}/{len(v)}" for t, v in by_task.items())
-            + f"); full-cache accuracy {_fmt_rate(sum(full), n)}")
+            + f"); full-cache accuracy {_fmt_rate(sum(full), n)}" + carried_note(st))
     acc = {"title": f"Eviction accuracy and harm, {head}. Harm = wrong with eviction among the "
                     f"{sum(full)} inputs the full cache answers; [95% Wilson]; p: exact McNemar vs the full cache, "
                     "Holm-adjusted over all rows",

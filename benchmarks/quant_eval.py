@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.evict_eval import machine
+from benchmarks.evict_eval import carried_note, machine
 from benchmarks.ruler import DEFAULT_TASKS
 from benchmarks.stats import auroc, holm, mcnemar, wilson
 
@@ -196,7 +196,8 @@ def tables(data):
     def ci(x):
         return "-" if not x or x[0] is None else f"{x[0]:.2f} [{x[1][0]:.2f}, {x[1][1]:.2f}]"
     t = {"title": f"Quantized caches on SmolLM2-135M, {n} inputs of ~{st['tokens']} tokens ({', '.join(st['tasks'])}; "
-                  f"{', '.join(st['haystacks'])} haystacks); full-cache accuracy {full / n:.2f} [{lo:.2f}, {hi:.2f}]. "
+                  f"{', '.join(st['haystacks'])} haystacks); full-cache accuracy {full / n:.2f} [{lo:.2f}, {hi:.2f}]"
+                  f"{carried_note(st)}. "
                   "[95% Wilson]; p: exact McNemar vs the full cache, Holm over all rows; bytes: device bytes per token "
                   "and layer-summed (fp16 = "
                   f"{cells[next(iter(cells))]['fp16_bytes_per_token']:.0f})",

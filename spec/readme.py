@@ -58,7 +58,11 @@ def eval_findings():
             continue
         data = json.loads(path.read_text())
         m = data.get("machine")
-        size = (f"{len(data['records'])} inputs, {data.get('seconds', '?')} s on {m.get('cpus', '?')} shared CPU cores; "
+        c = data.get("settings", {}).get("carried")
+        took = (f"{data.get('seconds', '?')} s for the last {len(data.get('records', [])) - c['records']} (the first "
+                f"{c['records']} carried from {c['file']}, whose {c['source_inputs']} inputs took {c['source_seconds']} s)"
+                if c else f"{data.get('seconds', '?')} s")
+        size = (f"{len(data['records'])} inputs, {took} on {m.get('cpus', '?')} shared CPU cores; "
                 if m and data.get("records") else "")
         out.append(f"- `{path.relative_to(ROOT)}` ({size}`{data.get('command', '?')}`):")
         out += [f"  - {f}" for f in data.get("findings", [])]
