@@ -96,7 +96,8 @@ from fast.core.quant import QTensor
 
 SRC = Path(__file__).resolve().parent / "csrc" / "cpu_fused.cpp"
 FLAGS = ["-O3", "-g", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp", "-fopenmp-simd", "-fPIC", "-shared", "-std=c++17"]
-CHUNK = 512      # tokens per work item (pass 1 and 2 split the cache into (b, kv head, chunk) items)
+CHUNK = 512      # at most this many tokens per work item (pass 1 and 2 split the cache into (b, kv head, chunk)
+#                  items of equal size, a multiple of 8: see _chunk)
 KAPPA_MIN = 2.0 ** -60
 RHO_MIN = 2.0 ** -64
 
@@ -234,20 +235,23 @@ def _sums_to_pmz(stats, NB, N):
     return np.stack([z, p, m]), cm
 
 
-def _run(q, qpos, segs, s, bands, ngk, ngv, certify, lut=None, scalar=False):
+def _run(q, qpos, segs, s, bands, ngk, ngv, certify, lut=None, scalar=False, out=None):
     """Call the kernel. q [B, T, H, D] fp32 contiguous; qpos [B, T] int32; segs: two results of seg();
-    bands [NB, W] int64 contiguous. Returns out [B, T, H, D] fp32, stats [B, T, H, 5] fp64
-    (Z, S1, S2, max c^, e). NaN/Inf: ValueError."""
+    bands [NB, W] int64 contiguous. Returns out [B, T, H, D] fp32 (written into `out` when given: fp32,
+    contiguous, that shape), stats [B, T, H, 5] fp64 (Z, S1, S2, max c^, e). NaN/Inf: ValueError."""
     B, T, H, D = q.shape
     NB, W = bands.shape
-    out = torch.empty(B, T, H, D, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(B, T, H, D, dtype=torch.float32)
+    elif out.dtype != torch.float32 or out.shape != q.shape or not out.is_contiguous():
+        raise ValueError(f"out: fp32 contiguous {tuple(q.shape)}, got {out.dtype} {tuple(out.shape)}")
     stats = torch.empty(B, T, H, 5, dtype=torch.float64)
     scratch = torch.empty(2, segs[0]["Hkv"] * B, 2, D, dtype=torch.float32)  # kmax, nan flags
     a = _Args(B, T, H, segs[0]["Hkv"], D, NB, ngk, ngv, s, s, q.data_ptr(), qpos.data_ptr(), bands.data_ptr(), W,
               _band_margin(W), (D + 4) * U32 * 1.01, 0 if lut is None else lut.data_ptr())
     a.seg[0], a.seg[1] = segs[0]["c"], segs[1]["c"]
     a.out, a.stats, a.kmax, a.nanflag = out.data_ptr(), stats.data_ptr(), scratch[0].data_ptr(), scratch[1].data_ptr()
-    a.certify, a.threads, a.chunk = int(certify), torch.get_num_threads(), CHUNK
+    a.certify, a.threads, a.chunk = int(certify), torch.get_num_threads(), _chunk(segs[0]["c"].n + segs[1]["c"].n)
     _lib(scalar).kvcert_fused_run(ctypes.byref(a))
     nan_k, nan_v = scratch[1].view(-1)[:2].tolist()
     if not math.isfinite(nan_k):
@@ -255,6 +259,15 @@ def _run(q, qpos, segs, s, bands, ngk, ngv, certify, lut=None, scalar=False):
     if not math.isfinite(nan_v):
         raise ValueError("v: NaN/Inf in the value cache")
     return out, stats
+
+
+def _chunk(N):
+    """Tokens per work item: N split into ceil(N / CHUNK) chunks of equal size rounded up to a multiple of 8
+    (the AVX2 blocks start at multiples of 8), so that threads get equal work (a 16-token last chunk
+    beside 512-token ones left one of two threads idle a third of the time). Depends on N only: the
+    result's bits do not depend on the thread count."""
+    nch = max(1, -(-N // CHUNK))
+    return max(8, (-(-N // nch) + 7) // 8 * 8)
 
 
 _MARGIN = {}
@@ -358,36 +371,50 @@ def paged_seg(n, *, k, v, rho, table, k_transposed):
     """A segment read in place from a paged cache (vLLM's CPU layout): fp32 k [num_blocks, Hkv, D, bs]
     (k_transposed) or [num_blocks, Hkv, bs, D], v [num_blocks, Hkv, bs, D], rho fp32 [num_blocks, Hkv, bs, NB]
     or None; each (block, head) slab contiguous; table int32 [B, >= ceil(n / bs)] the blocks of each sequence
-    (checked against num_blocks: the kernel trusts it). Tokens 0..n-1 of sequence b are its positions."""
-    nb, Hkv = v.shape[0], v.shape[1]
-    bs, D = v.shape[2], v.shape[3]
-    c = _Seg()
-    c.n = n
-    keep = {"Hkv": Hkv, "c": c}
+    (checked against num_blocks: the kernel trusts it). Tokens 0..n-1 of sequence b are its positions.
+    The cache tensors' checks depend only on their dtypes, shapes and strides: memoized on those (and
+    the data pointers), a serving loop pays them once per cache, the table check every call."""
+    if v.dim() != 4:
+        raise ValueError(f"v: fp32 [num_blocks, Hkv, bs, D], got {tuple(v.shape)}")
+    nb, Hkv, bs = v.shape[0], v.shape[1], v.shape[2]
     if n == 0:
-        return keep
+        return {"Hkv": Hkv, "c": _Seg()}
+    base = _paged_base(*(None if t is None else (t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) for t in (k, v, rho)),
+                       k_transposed)
+    c = _Seg.from_buffer_copy(base)
+    c.n = n
+    need = -(-n // bs)
+    if table.dtype != torch.int32 or table.dim() != 2 or table.shape[1] < need or table.stride(1) != 1:
+        raise ValueError(f"table: int32 [B, >= {need}] with unit stride, got {table.dtype} {tuple(table.shape)}")
+    lo, hi = torch.aminmax(table[:, :need])
+    if int(lo) < 0 or int(hi) >= nb:
+        raise ValueError(f"table: block ids must lie in [0, {nb})")
+    c.table, c.tb_sb = table.data_ptr(), table.stride(0)
+    return {"Hkv": Hkv, "c": c, "k": k, "v": v, "rho": rho, "table": table}
+
+
+@functools.lru_cache(maxsize=64)
+def _paged_base(k, v, rho, k_transposed):
+    """The _Seg fields of a paged cache from (data_ptr, dtype, shape, stride) of k, v, rho (rho may be None),
+    after paged_seg's checks; n and the table are the caller's."""
+    nb, Hkv, bs, D = v[2]
+    c = _Seg()
     want_k = (nb, Hkv, D, bs) if k_transposed else (nb, Hkv, bs, D)
     for name, t, shape in (("k", k, want_k), ("v", v, (nb, Hkv, bs, D)), ("rho", rho, (nb, Hkv, bs, None))):
         if t is None:
             continue
-        if t.dtype != torch.float32 or t.dim() != 4 or any(w is not None and x != w for x, w in zip(t.shape, shape)):
-            raise ValueError(f"{name}: fp32 {shape} (None: any), got {t.dtype} {tuple(t.shape)}")
-        if t.stride(3) != 1 or t.stride(2) != t.shape[3]:
+        ptr, dtype, tshape, st = t
+        if dtype != torch.float32 or len(tshape) != 4 or any(w is not None and x != w for x, w in zip(tshape, shape)):
+            raise ValueError(f"{name}: fp32 {shape} (None: any), got {dtype} {tshape}")
+        if st[3] != 1 or st[2] != tshape[3]:
             raise ValueError(f"{name}: each (block, head) slab must be contiguous")
-        setattr(c, name, t.data_ptr())
-        setattr(c, {"k": "k", "v": "v", "rho": "r"}[name] + "_sb", t.stride(0))
-        setattr(c, {"k": "k", "v": "v", "rho": "r"}[name] + "_sh", t.stride(1))
-        keep[name] = t
-    need = -(-n // bs)
-    if table.dtype != torch.int32 or table.dim() != 2 or table.shape[1] < need or table.stride(1) != 1:
-        raise ValueError(f"table: int32 [B, >= {need}] with unit stride, got {table.dtype} {tuple(table.shape)}")
-    used = table[:, :need]
-    if int(used.min()) < 0 or int(used.max()) >= nb:
-        raise ValueError(f"table: block ids must lie in [0, {nb})")
-    c.table, c.tb_sb, c.bs, c.k_t = table.data_ptr(), table.stride(0), bs, int(k_transposed)
+        field = {"k": "k", "v": "v", "rho": "r"}[name]
+        setattr(c, name, ptr)
+        setattr(c, field + "_sb", st[0])
+        setattr(c, field + "_sh", st[1])
+    c.bs, c.k_t = bs, int(k_transposed)
     c.bs_log2 = bs.bit_length() - 1 if bs & (bs - 1) == 0 else -1
-    keep["table"] = table
-    return keep
+    return c
 
 
 def paged_witness(key, kt, slots, rho, bands):

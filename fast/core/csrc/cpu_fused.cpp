@@ -456,7 +456,9 @@ void run(const Args& a) {
         const int64_t j0 = c * CH, j1 = std::min(N, j0 + CH);
         const int64_t L = j1 - j0;
         float* lg = LG + (b * Hkv + h) * R * N;
-        std::vector<float> rt((size_t)(a.certify ? NB * L : 0));
+        static thread_local std::vector<float> rtbuf;  // the chunk's witness, band-major (this worker's own)
+        if (a.certify && rtbuf.size() < (size_t)(NB * L)) rtbuf.resize((size_t)(NB * L));
+        float* rt = rtbuf.data();
         const uint8_t* okr = OK + (b * Hkv + h) * R * N + j0;
         // the global row max (all chunks of this (b, h)): a fixed order, the same in every item
         std::vector<float> mrow((size_t)R);
@@ -478,8 +480,8 @@ void run(const Args& a) {
         double* ps = PSUM + it * R * 4;
         if (a.certify) {
             // the witness of the chunk once, band-major: rt[k][j] = rho_jk (0 at exact and fp32-segment tokens)
+            // every column is written once below: decoded, or 0 (exact tokens, no witness, the fp32 segment)
             const Seg& sg = a.seg[0];
-            std::fill(rt.begin(), rt.begin() + NB * L, 0.0f);
             int64_t j = j0;
 #if KVCERT_AVX2
             // 8 bands (the default) of log codes: 8 tokens at a time, one table gather per token and an
@@ -513,7 +515,7 @@ void run(const Args& a) {
                     const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
                     const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
                     const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-                    float* dst = &rt[j - j0];
+                    float* dst = rt + (j - j0);
                     _mm256_storeu_ps(dst + 0 * L, _mm256_permute2f128_ps(u0, u4, 0x20));
                     _mm256_storeu_ps(dst + 1 * L, _mm256_permute2f128_ps(u1, u5, 0x20));
                     _mm256_storeu_ps(dst + 2 * L, _mm256_permute2f128_ps(u2, u6, 0x20));
@@ -526,8 +528,9 @@ void run(const Args& a) {
             }
 #endif
             for (; j < std::min(j1, N0); ++j) {
-                if (!sg.rho || (sg.exact && sg.exact[b * sg.ex_sb + h * sg.ex_sh + j])) continue;
-                if (sg.rho_u8) {
+                if (!sg.rho || (sg.exact && sg.exact[b * sg.ex_sb + h * sg.ex_sh + j])) {
+                    for (int64_t k = 0; k < NB; ++k) rt[k * L + (j - j0)] = 0.0f;
+                } else if (sg.rho_u8) {
                     const uint8_t* rc = (const uint8_t*)sg.rho + row_off(sg, sg.r_sb, sg.r_sh, b, h, j, NB);
                     for (int64_t k = 0; k < NB; ++k) rt[k * L + (j - j0)] = a.lut[rc[k]];
                 } else {
@@ -535,12 +538,14 @@ void run(const Args& a) {
                     for (int64_t k = 0; k < NB; ++k) rt[k * L + (j - j0)] = rf[k];
                 }
             }
+            for (int64_t k = 0; k < NB; ++k)
+                for (int64_t jj = std::max(j, N0); jj < j1; ++jj) rt[k * L + (jj - j0)] = 0.0f;  // the fp32 segment
             // no valid masks or positions: token j sits at position j, so a row at qpos >= j1 - 1 reads the whole chunk
             const bool plain = !a.seg[0].valid && !a.seg[0].pos && !a.seg[1].valid && !a.seg[1].pos;
             for (int64_t r = 0; r < R; ++r) {
                 const int64_t t = r / G, hq = h * G + r % G;
                 const bool all = plain && j1 - 1 <= (int64_t)a.qpos[b * T + t];
-                row_sums(lg + r * N + j0, all ? nullptr : okr + r * N, &rt[0], KAPPA + ((b * T + t) * H + hq) * NB, NB, L, ps + r * 4);
+                row_sums(lg + r * N + j0, all ? nullptr : okr + r * N, rt, KAPPA + ((b * T + t) * H + hq) * NB, NB, L, ps + r * 4);
             }
         } else {
             for (int64_t r = 0; r < R; ++r) row_sums(lg + r * N + j0, okr + r * N, nullptr, nullptr, 0, L, ps + r * 4);
