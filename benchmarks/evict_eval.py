@@ -269,8 +269,15 @@ def summarize(records, settings, taus):
                     + ", ".join(f"{k} {g} at {wb[k]} witness bytes per evicted K+V byte" for k, g in gaps.items())
                     + f"; inputs whose mean bound is below 1/2 (log-odds < 0): {below_half} of {len(records) * len(cells)}")
     page_better = [k for k, c in cells.items() if c["page"]["p_blind_le_page"] is not None and c["page"]["p_blind_le_page"] < ALPHA]
+    tested = [k for k, c in cells.items() if c["page"]["p_blind_le_page"] is not None]
+    adj = dict(zip(tested, holm([cells[k]["page"]["p_blind_le_page"] for k in tested])))
+    for k in tested:
+        cells[k]["page"]["p_blind_le_page_holm"] = round(adj[k], 4)
+    page_holm = [k for k in tested if adj[k] < ALPHA]
     findings.append("PAGE beats the blind gate (hypergeometric p < 0.05, not adjusted) in "
-                    f"{len(page_better)} of {len(cells)} cells" + (f": {', '.join(page_better)}" if page_better else ""))
+                    f"{len(page_better)} of {len(cells)} cells" + (f": {', '.join(page_better)}" if page_better else "")
+                    + f"; Holm-adjusted over the {len(tested)} cells, in {len(page_holm)}"
+                    + (f": {', '.join(f'{k} (Holm p = {adj[k]:.2g})' for k in page_holm)}" if page_holm else ""))
     return cells, pairs, findings
 
 
@@ -300,7 +307,7 @@ def tables(data):
     page = {"title": f"PAGE (query-head agreement, tau per budget at evict rate {st['page_evict_rate']}) vs a blind gate "
                      "evicting as many inputs at random",
             "header": ["evictor", "budget", "PAGE evicts", "harm rate, evictor alone", "harm rate with PAGE",
-                       "blind gate, expected harms", "PAGE harms", "P(blind <= PAGE)", "AUROC of drop vs harm"],
+                       "blind gate, expected harms", "PAGE harms", "P(blind <= PAGE)", "Holm", "AUROC of drop vs harm"],
             "rows": []}
     cert = {"title": "Eviction certificate in shadow mode (truth from exact keys): mean log-odds bound, true evicted "
                      "mass, looseness (nats, bound log-odds minus true log-odds) per witness, witness bytes per fp16 "
@@ -323,7 +330,8 @@ def tables(data):
         p = c["page"]
         page["rows"].append([c["label"], c["budget"], f"{p['evicts']}/{c['n']}", _fmt_rate(c["harmed"], c["n_answerable"]),
                              _fmt_rate(p["harms"], c["n_answerable"]), f(p["blind_expected_harms"]), p["harms"],
-                             f(p["p_blind_le_page"], 3), ci((p["drop_auroc_harm"], p["drop_auroc_ci"]))])
+                             f(p["p_blind_le_page"], 3), f(p.get("p_blind_le_page_holm"), 3),
+                             ci((p["drop_auroc_harm"], p["drop_auroc_ci"]))])
         ce = c["cert"]
         w = ce["witness_over_evicted"]
         cert["rows"].append([c["label"], c["budget"], f(ce["true_mean"], 3), f(ce["log_odds_mean"], 1), f(ce["gap_nats"], 1)]

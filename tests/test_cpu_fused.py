@@ -246,6 +246,17 @@ def _has_avx2():
         return False
 
 
+def test_inline_next_up_is_the_librarys_nextafter():
+    """The kernel's up()/upf() (std::nextafter toward +inf without the library call, used for every
+    rounded-up bound: kappa, e, the epilogue) give the library's bits on +-0, subnormals, +-inf, NaN,
+    +-DBL_MAX and 10^6 random bit patterns of each width; a mismatch would make a bound one ulp low."""
+    import ctypes
+    lib = cpu_fused._lib()
+    lib.kvcert_up_check.argtypes = [ctypes.c_int64, ctypes.c_uint64]
+    lib.kvcert_up_check.restype = ctypes.c_int64
+    assert lib.kvcert_up_check(10 ** 6, 12345) == 0
+
+
 def test_log_table_is_the_grid_the_kernel_decodes():
     """The AVX2 witness decode (mantissa permute + exponent add) applies to the shipped table, and the
     check behind it rejects a table off the grid by one ulp (the kernel then gathers)."""

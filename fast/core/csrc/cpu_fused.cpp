@@ -10,6 +10,7 @@
 // Compiled with -ffp-contract=off (and -fno-trapping-math, which only lets selects vectorize): every fused multiply-add is an explicit std::fma, so the
 // scalar kv_exp checked by kv_exp_check is bit for bit the one the kernel runs.
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -36,6 +37,29 @@ constexpr float MAGIC = 12582912.0f;          // 1.5 * 2^23: x + MAGIC - MAGIC r
 constexpr float LN2_HI = 0.693145751953125f;  // 16 significant bits: n * LN2_HI exact for |n| < 2^8
 constexpr float LN2_LO = 1.42860682030941723212e-6f;
 constexpr float X_MIN = -87.33654f;            // below this, e^x < 2^-126: kv_exp returns 0
+
+// std::nextafter(x, +inf) without the library call (it is not inlined: ~150 calls per row of the epilogue):
+// the next representable number up, bit for bit the library's (NaN and +inf stay, +-0 -> the smallest
+// subnormal, a positive number's bits + 1, a negative one's - 1); tests/test_cpu_fused.py compares both
+// on special values and random bit patterns (kvcert_up_check).
+inline double up(double x) {
+    if (x != x || x == INFINITY) return x;
+    if (x == 0) return 0x1p-1074;
+    uint64_t b;
+    std::memcpy(&b, &x, 8);
+    b = x > 0 ? b + 1 : b - 1;
+    std::memcpy(&x, &b, 8);
+    return x;
+}
+inline float upf(float x) {
+    if (x != x || x == INFINITY) return x;
+    if (x == 0) return 0x1p-149f;
+    uint32_t b;
+    std::memcpy(&b, &x, 4);
+    b = x > 0 ? b + 1 : b - 1;
+    std::memcpy(&x, &b, 4);
+    return x;
+}
 
 inline float kv_exp(float x) {
     // e^x for x <= 0 (x = fl(x_j - m)): Cody-Waite reduction x = n ln2 + r, |r| <~ ln2/2, and the
@@ -311,10 +335,10 @@ void run(const Args& a) {
                     const double x = (double)qq[a.bands[k * a.W + w]];
                     ss += x * x;
                 }
-                double nrm = std::nextafter(std::sqrt(ss) * a.band_margin, INFINITY);
-                double k64 = std::max(std::nextafter(nrm * a.s64, INFINITY), 0x1p-60);
+                double nrm = up(std::sqrt(ss) * a.band_margin);
+                double k64 = std::max(up(nrm * a.s64), 0x1p-60);
                 float k32 = (float)k64;
-                if ((double)k32 < k64) k32 = std::nextafter(k32, INFINITY);
+                if ((double)k32 < k64) k32 = upf(k32);
                 KAPPA[i * NB + k] = k32;
                 nan_q += k32 * 0.0f;
             }
@@ -649,7 +673,7 @@ void run(const Args& a) {
                 st[0] = z; st[1] = s1; st[2] = s2; st[3] = cm;
                 // + (2.03 D s + 1) 2^-150: products below the normal range round with an absolute error
                 // (proofs/FloatDot.v logit_rounding_le_code_f32, spec T8e; 2.03 > 2.02 pays for this line's fp64 roundings)
-                st[4] = std::nextafter(a.s64 * qk * a.e_coef + (2.03 * (double)D * a.s64 + 1.0) * 0x1p-150, INFINITY);
+                st[4] = up(a.s64 * qk * a.e_coef + (2.03 * (double)D * a.s64 + 1.0) * 0x1p-150);
             }
         }
     }
@@ -661,7 +685,6 @@ void run(const Args& a) {
 // The same fp64 operations in the same order as the numpy code, elementwise over the rows; the only library
 // function is expm1 (glibc here, torch's in the numpy path: both within the 2 ulp that EXP_EPS pays for).
 // np.minimum / np.maximum propagate NaN: nmin / nmax do the same.
-inline double up(double x) { return std::nextafter(x, INFINITY); }
 inline double nmin(double a, double b) { return (std::isnan(a) || std::isnan(b)) ? NAN : (a < b ? a : b); }
 inline double nmax(double a, double b) { return (std::isnan(a) || std::isnan(b)) ? NAN : (a > b ? a : b); }
 
@@ -717,7 +740,7 @@ int epilogue(const double* st, int64_t rows, const EpiConst& k, float* out) {
         const double vals[7] = {a, neg_b, cm2, t1, o1, ef, low};
         for (int c = 0; c < 7; ++c) {
             float y = (float)vals[c];
-            if ((double)y < vals[c]) y = std::nextafter(y, INFINITY);
+            if ((double)y < vals[c]) y = upf(y);
             out[c * rows + i] = c == 1 ? -y : y;
         }
     }
@@ -733,6 +756,35 @@ int kvcert_fused_abi() { return 1; }
 int kvcert_fused_avx2() { return KVCERT_AVX2; }
 
 int kvcert_lut_is_grid(const float* lut) { return lut_is_grid(lut); }
+
+// up / upf against std::nextafter toward +inf: the special values and n pseudo-random bit patterns of each
+// width (seeded); returns the number of mismatches (bits compared; NaN matches NaN)
+int64_t kvcert_up_check(int64_t n, uint64_t seed) {
+    int64_t bad = 0;
+    auto same64 = [](double a, double b) { uint64_t x, y; std::memcpy(&x, &a, 8); std::memcpy(&y, &b, 8); return x == y || (a != a && b != b); };
+    auto same32 = [](float a, float b) { uint32_t x, y; std::memcpy(&x, &a, 4); std::memcpy(&y, &b, 4); return x == y || (a != a && b != b); };
+    const double sp[] = {0.0, -0.0, INFINITY, -INFINITY, NAN, 0x1p-1074, -0x1p-1074, 0x1p-1022, -0x1p-1022, 1.0, -1.0, DBL_MAX, -DBL_MAX};
+    for (double x : sp) {
+        bad += !same64(up(x), std::nextafter(x, INFINITY));
+        bad += !same32(upf((float)x), std::nextafter((float)x, INFINITY));
+    }
+    uint64_t z = seed;
+    for (int64_t i = 0; i < n; ++i) {
+        z += 0x9e3779b97f4a7c15ull;  // splitmix64
+        uint64_t r = z;
+        r = (r ^ (r >> 30)) * 0xbf58476d1ce4e5b9ull;
+        r = (r ^ (r >> 27)) * 0x94d049bb133111ebull;
+        r ^= r >> 31;
+        double d;
+        float f;
+        uint32_t r32 = (uint32_t)r;
+        std::memcpy(&d, &r, 8);
+        std::memcpy(&f, &r32, 4);
+        bad += !same64(up(d), std::nextafter(d, INFINITY));
+        bad += !same32(upf(f), std::nextafter(f, INFINITY));
+    }
+    return bad;
+}
 
 int kvcert_epilogue(const double* stats, int64_t rows, const EpiConst* k, float* out) { return epilogue(stats, rows, *k, out); }
 
