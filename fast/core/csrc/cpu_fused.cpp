@@ -38,28 +38,23 @@ constexpr float LN2_HI = 0.693145751953125f;  // 16 significant bits: n * LN2_HI
 constexpr float LN2_LO = 1.42860682030941723212e-6f;
 constexpr float X_MIN = -87.33654f;            // below this, e^x < 2^-126: kv_exp returns 0
 
-// std::nextafter(x, +inf) without the library call (it is not inlined: ~150 calls per row of the epilogue):
+// std::nextafter(x, +inf) without the library call (not inlined; used for every rounded-up bound: kappa per
+// band, e per row, about 15 times per row in the epilogue):
 // the next representable number up, bit for bit the library's (NaN and +inf stay, +-0 -> the smallest
 // subnormal, a positive number's bits + 1, a negative one's - 1); tests/test_cpu_fused.py compares both
 // on special values and random bit patterns (kvcert_up_check).
-inline double up(double x) {
-    if (x != x || x == INFINITY) return x;
-    if (x == 0) return 0x1p-1074;
-    uint64_t b;
-    std::memcpy(&b, &x, 8);
+template <typename F, typename U>
+inline F next_up(F x, F smallest) {
+    if (x != x || x == (F)INFINITY) return x;
+    if (x == 0) return smallest;
+    U b;
+    std::memcpy(&b, &x, sizeof b);
     b = x > 0 ? b + 1 : b - 1;
-    std::memcpy(&x, &b, 8);
+    std::memcpy(&x, &b, sizeof b);
     return x;
 }
-inline float upf(float x) {
-    if (x != x || x == INFINITY) return x;
-    if (x == 0) return 0x1p-149f;
-    uint32_t b;
-    std::memcpy(&b, &x, 4);
-    b = x > 0 ? b + 1 : b - 1;
-    std::memcpy(&x, &b, 4);
-    return x;
-}
+inline double up(double x) { return next_up<double, uint64_t>(x, 0x1p-1074); }
+inline float upf(float x) { return next_up<float, uint32_t>(x, 0x1p-149f); }
 
 inline float kv_exp(float x) {
     // e^x for x <= 0 (x = fl(x_j - m)): Cody-Waite reduction x = n ln2 + r, |r| <~ ln2/2, and the
