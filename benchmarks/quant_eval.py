@@ -3,7 +3,7 @@
     nice -n 10 .venv/bin/python -m benchmarks.quant_eval [--n 16] [--tokens 512] -> results/quant_eval.json
 
 For every registered scheme (fast.core.schemes.scheme_names(): int8, int8_dither, int4, fp8_e4m3,
-fp8_e5m2, kivi2, and any scheme registered later, e.g. a pre-RoPE one) and every gate (none,
+fp8_e5m2, kivi2, any scheme registered later; prerope4 names fast.core.prerope's scheme) and every gate (none,
 certified:TAU, risk:K): greedy answers of the RULER-style inputs of benchmarks/ruler.py (both
 haystacks, depths spread, each task's own allowance, stop at end-of-turn), served from a
 CertifiedCache through the kvcert meter. The exact prefill is shared (the prefill reads exact keys
@@ -98,7 +98,7 @@ def run_input(model, tok, ex, args):
         for gate in args.gates:
             set_current(None)
             shadow = gate == "none"
-            cache = CertifiedCache(model.config, scheme, gate=gate, shadow=shadow, seed=ex["seed"])
+            cache = CertifiedCache(model.config, scheme_for(scheme, model.config), gate=gate, shadow=shadow, seed=ex["seed"])
             cache.fill_from(shared)
             if gate.startswith("risk"):
                 apply_risk_from_queries(cache, col)
@@ -215,6 +215,21 @@ def tables(data):
     return [t]
 
 
+_PREROPE = {}
+
+
+def scheme_for(name, config):
+    """A registered scheme's name, or prerope<bits> (fast.core.prerope.prerope_scheme for this model's RoPE:
+    keys quantized before RoPE, per channel, values int8 per token; built once per bits)."""
+    if not name.startswith("prerope"):
+        return name
+    if name not in _PREROPE:
+        from fast.core.prerope import prerope_scheme
+        bits = int(name[len("prerope"):] or 4)
+        _PREROPE[name] = prerope_scheme(config, bits=bits)
+    return _PREROPE[name]
+
+
 def main(argv=None):
     from fast.core.schemes import scheme_names
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -223,7 +238,8 @@ def main(argv=None):
     ap.add_argument("--tasks", default=",".join(DEFAULT_TASKS), help="default: the tasks the full cache answers "
                     "(ruler.DEFAULT_TASKS); vartrack is available")
     ap.add_argument("--haystacks", default="synthetic,natural")
-    ap.add_argument("--schemes", default="all", help="comma list, or all (every registered scheme)")
+    ap.add_argument("--schemes", default="all", help="comma list, or all (every registered scheme); prerope4 / "
+                    "prerope8: the pre-RoPE scheme (fast.core.prerope) at that key width")
     ap.add_argument("--gates", default="none,certified:0.2,risk:9")
     ap.add_argument("--cert-steps", type=int, default=3)
     ap.add_argument("--seed0", type=int, default=0)
