@@ -13,7 +13,7 @@ What changes against CertifiedCache + the "kvcert" meter (fast.integrations.hf_m
   reads (a second turn, chunked prefill: row t at storage position n - T + t, causal).
 - Window leavers are quantized in blocks of FLUSH_BLOCK (one quantize + witness call per 32 steps
   and layer, not one per step); the tail holds window .. window + 31 exact tokens.
-- The certificate epilogue (fast.core.cpu_fused._certificate, numpy) runs once per step for all
+- The certificate epilogue (fast.core.cpu_fused._certificate: C++, numpy fallback) runs once per step for all
   layers, after the last one: cache.records gets one record per (step, layer) as with the meter.
 Falls back to the meter (hf_meter.kvcert_attention, the served fp32 copy) where the kernel does
 not apply: schemes other than int8, gates, shadow mode, int8_dither, repaired heads, non-fp32
