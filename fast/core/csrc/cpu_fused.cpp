@@ -503,12 +503,45 @@ void run(const Args& a) {
             const Seg& sg = a.seg[0];
             int64_t j = j0;
 #if KVCERT_AVX2
-            // 8 bands (the default) of log codes: 8 tokens at a time, one table gather per token and an
-            // 8 x 8 transpose into band-major order (the same values as the scalar loop below)
+            // 8 bands (the default) of log codes, 8 tokens at a time, into band-major order: the byte transpose
+            // below on the grid table with the 8 tokens' codes adjacent, else per token (grid decode or table
+            // gather) and an 8 x 8 float transpose; the same values as the scalar loop after them
             if (sg.rho && sg.rho_u8 && NB == 8) {
                 const bool grid = lut_is_grid(a.lut);
                 const __m256 mant = _mm256_loadu_ps(a.lut + 160);
                 const __m256i bias = _mm256_set1_epi32(20), zero = _mm256_setzero_si256();
+                if (grid && (!sg.bs || sg.bs % 8 == 0)) {
+                    // the 8 tokens' 64 code bytes are adjacent (j % 8 == 0, one block): transpose the bytes to
+                    // band-major (pshufb pairs two tokens per 128-bit lane, 16-bit unpacks pair four, a dword
+                    // permute eight), then decode each band's 8 codes: lut[ci] = mant[ci % 8] 2^(ci / 8 - 20)
+                    // (the bits of mant[ci % 8] - 20 * 2^23 plus (ci / 8) * 2^23), 0 at code 0 and exact tokens
+                    const __m256i pair = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
+                                                          0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+                    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+                    const __m256i madj = _mm256_sub_epi32(_mm256_castps_si256(mant), _mm256_slli_epi32(bias, 23));
+                    for (; j + 8 <= std::min(j1, N0); j += 8) {
+                        const uint8_t* rc = (const uint8_t*)sg.rho + row_off(sg, sg.r_sb, sg.r_sh, b, h, j, 8);
+                        const __m256i p0 = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i*)rc), pair);         // t0 t1 | t2 t3
+                        const __m256i p1 = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i*)(rc + 32)), pair);  // t4 t5 | t6 t7
+                        const __m256i x = _mm256_permute2x128_si256(p0, p1, 0x20), y = _mm256_permute2x128_si256(p0, p1, 0x31);
+                        // qword k of q03 / q47: the codes of band k / 4 + k of tokens 0..7
+                        const __m256i q03 = _mm256_permutevar8x32_epi32(_mm256_unpacklo_epi16(x, y), perm);
+                        const __m256i q47 = _mm256_permutevar8x32_epi32(_mm256_unpackhi_epi16(x, y), perm);
+                        __m256i exm = zero;
+                        if (sg.exact)
+                            exm = _mm256_cmpgt_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(sg.exact + b * sg.ex_sb + h * sg.ex_sh + j))), zero);
+                        const __m128i qw[4] = {_mm256_castsi256_si128(q03), _mm256_extracti128_si256(q03, 1),
+                                               _mm256_castsi256_si128(q47), _mm256_extracti128_si256(q47, 1)};
+                        float* dst = rt + (j - j0);
+                        for (int k = 0; k < 8; ++k) {
+                            const __m128i w = qw[k / 2];
+                            const __m256i ci = _mm256_cvtepu8_epi32(k % 2 ? _mm_unpackhi_epi64(w, w) : w);
+                            const __m256i v = _mm256_add_epi32(_mm256_permutevar8x32_epi32(madj, ci), _mm256_slli_epi32(_mm256_srli_epi32(ci, 3), 23));
+                            const __m256i z = _mm256_or_si256(_mm256_cmpeq_epi32(ci, zero), exm);
+                            _mm256_storeu_ps(dst + k * L, _mm256_castsi256_ps(_mm256_andnot_si256(z, v)));
+                        }
+                    }
+                }
                 for (; j + 8 <= std::min(j1, N0); j += 8) {
                     __m256 x[8];
                     for (int t = 0; t < 8; ++t) {
