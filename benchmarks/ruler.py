@@ -41,7 +41,8 @@ TASKS = ("passkey", "needle", "multikey", "multivalue", "vartrack")
 # The tasks the harnesses run by default: those SmolLM2-135M's full cache answers within their
 # allowance (tests/test_evict_eval.py checks each). vartrack stays available (--tasks) but is out:
 # the full cache answered it 0 of 20 times at 384 tokens (results/evict_eval.json of 2026-12-03),
-# and a two-chain variant asking one variable's value (a 1-in-2 guess) was right 8 of 20 times.
+# and in an ad-hoc trial (not kept) a two-chain variant asking one variable's value (a 1-in-2 guess)
+# was right 8 of 20 times.
 DEFAULT_TASKS = ("passkey", "needle", "multikey", "multivalue")
 HAYSTACKS = ("synthetic", "natural")
 ANSWER_SLACK = 6          # tokens beyond the answers themselves (separators, "and", a period)
@@ -226,11 +227,11 @@ def carried(path, settings, keys, exs):
     diff = [k for k in keys if k not in ("tasks", "n") and old["settings"].get(k) != settings.get(k)]
     if diff:
         raise ValueError(f"--carry: {path} was run with other settings ({', '.join(diff)})")
-    ident = lambda r: (r["task"], r["seed"], r["depth"], r["haystack"])
-    have = {ident(r): r for r in old["records"]}
+    same = ("task", "seed", "depth", "haystack")
+    have = {tuple(r[k] for k in same): r for r in old["records"]}
     out = []
     for ex in exs:
-        r = have.get(ident(ex))
+        r = have.get(tuple(ex[k] for k in same))
         if r is None:
             break
         out.append(r)
