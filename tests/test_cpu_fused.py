@@ -257,6 +257,58 @@ def test_inline_next_up_is_the_librarys_nextafter():
     assert lib.kvcert_up_check(10 ** 6, 12345) == 0
 
 
+def _kappa(q, bands, s, margin, scalar):
+    import ctypes
+    lib = cpu_fused._lib(scalar)
+    lib.kvcert_kappa.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                 ctypes.c_double, ctypes.c_double, ctypes.c_void_p, ctypes.c_void_p]
+    lib.kvcert_kappa.restype = ctypes.c_float
+    n, D = q.shape
+    NB, W = bands.shape
+    k64, k32 = torch.empty(n, NB, dtype=torch.float64), torch.empty(n, NB, dtype=torch.float32)
+    nan = lib.kvcert_kappa(q.data_ptr(), n, D, bands.data_ptr(), NB, W, s, margin, k64.data_ptr(), k32.data_ptr())
+    return k64, k32, nan
+
+
+KAPPA = st.fixed_dictionaries({
+    "seed": st.integers(0, 2**31 - 1), "n": st.integers(1, 5), "NB": st.sampled_from([1, 3, 4, 6, 8, 16]),
+    "W": st.sampled_from([1, 2, 4, 8]), "s": st.sampled_from([0.125, 1e-30, 3e20, 0.0]),
+    "mag": st.sampled_from([1e-42, 1e-20, 1.0, 1e30]), "special": st.sampled_from(["none", "zero_band", "inf", "nan"])})
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=KAPPA)
+def test_kappa_same_bits_as_scalar_and_bounds_the_band_norm(case):
+    """kappa_b (the kernel's band-norm bound, four bands per AVX2 register): the vector and the scalar
+    build give the same fp64 and fp32 bits (zero bands, subnormal and huge q, Inf, NaN, s = 0, band
+    counts off the vector width), and, where finite, k32 >= k64 >= s ||q_b|| EXACTLY (rationals:
+    k64^2 >= s^2 sum_w q_w^2). The stats test cannot see a missing ulp here: the fp32 rounding up hides it."""
+    from fractions import Fraction
+    g = torch.Generator().manual_seed(case["seed"])
+    NB, W, n = case["NB"], case["W"], case["n"]
+    D = NB * W
+    bands = torch.randperm(D, generator=g).view(NB, W).contiguous()
+    q = (torch.randn(n, D, generator=g, dtype=torch.float64) * case["mag"]).to(torch.float32)
+    if case["special"] == "zero_band":
+        q[:, bands[0]] = 0.0
+    elif case["special"] != "none":
+        q[0, bands[:, 0]] = float(case["special"])  # in every band of row 0: vector lanes and the scalar tail
+    margin = cpu_fused._band_margin(W)
+    (v64, v32, vnan), (s64, s32, snan) = (_kappa(q, bands, case["s"], margin, sc) for sc in (False, True))
+    assert torch.equal(v64.view(torch.int64), s64.view(torch.int64)), case
+    assert torch.equal(v32.view(torch.int32), s32.view(torch.int32)), case
+    assert (vnan == snan) or (math.isnan(vnan) and math.isnan(snan))
+    overflow = bool((v64 > torch.finfo(torch.float32).max).any())  # kappa beyond fp32: flagged like Inf
+    assert math.isnan(vnan) == (case["special"] in ("inf", "nan") or overflow), case
+    for i in range(n):
+        for b in range(NB):
+            if not math.isfinite(float(v64[i, b])):
+                continue
+            ss = sum(Fraction(float(q[i, int(d)])) ** 2 for d in bands[b])
+            assert Fraction(float(v64[i, b])) ** 2 >= Fraction(case["s"]) ** 2 * ss, (case, i, b)
+            assert float(v32[i, b]) >= float(v64[i, b]) >= 2.0 ** -60
+
+
 def test_log_table_is_the_grid_the_kernel_decodes():
     """The AVX2 witness decode (mantissa permute + exponent add) applies to the shipped table, and the
     check behind it rejects a table off the grid by one ulp (the kernel then gathers)."""

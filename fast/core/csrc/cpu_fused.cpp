@@ -55,6 +55,14 @@ inline F next_up(F x, F smallest) {
 }
 inline double up(double x) { return next_up<double, uint64_t>(x, 0x1p-1074); }
 inline float upf(float x) { return next_up<float, uint32_t>(x, 0x1p-149f); }
+#if KVCERT_AVX2
+// up() on 4 lanes that are each >= +0, +inf or NaN: +0 -> the smallest subnormal and a finite x -> bits + 1
+// (a true compare is -1 as an integer), +inf and NaN unchanged: up()'s results on those inputs
+inline __m256d up4(__m256d x) {
+    const __m256d fin = _mm256_cmp_pd(x, _mm256_set1_pd(INFINITY), _CMP_LT_OQ);
+    return _mm256_castsi256_pd(_mm256_sub_epi64(_mm256_castpd_si256(x), _mm256_castpd_si256(fin)));
+}
+#endif
 
 inline float kv_exp(float x) {
     // e^x for x <= 0 (x = fl(x_j - m)): Cody-Waite reduction x = n ln2 + r, |r| <~ ln2/2, and the
@@ -225,6 +233,52 @@ inline const float* seg_row(const Seg& sg, bool values, int64_t b, int64_t h, in
     return buf;
 }
 
+// kappa_b >= s ||q_b|| for n query rows q [n, D] and the NB bands [NB, W] (coordinate indices), as
+// fast.core.certify.band_norms_up: squares exact in fp64, the W-term sum and sqrt within gamma_{W+4}, times
+// margin = 1 + 2 gamma_{W+4}, one ulp up; times s, one ulp up; at least 2^-60 (k64 [n, NB]); cast to fp32
+// rounded up (k32 [n, NB]). Four bands at a time in AVX2 when s > 0 (the same operations per lane, so the
+// same bits; every value up() meets is then >= +0, +inf or NaN, where up4 is up). Returns the sum of
+// k32 * 0: NaN when a kappa is not finite. tests/test_cpu_fused.py checks both builds bit for bit and
+// k64 >= s ||q_b|| exactly (kvcert_kappa).
+float kappa_rows(const float* q, int64_t n, int64_t D, const int64_t* bd, int64_t NB, int64_t W, double s64, double margin,
+                 double* k64, float* k32) {
+    for (int64_t i = 0; i < n; ++i) {
+        const float* qq = q + i * D;
+        int64_t k = 0;
+#if KVCERT_AVX2
+        if (s64 > 0 && s64 < INFINITY) {
+            const __m256d m4 = _mm256_set1_pd(margin), s4 = _mm256_set1_pd(s64), lo = _mm256_set1_pd(0x1p-60);
+            for (; k + 4 <= NB; k += 4) {
+                __m256d ss = _mm256_setzero_pd();
+                for (int64_t w = 0; w < W; ++w) {
+                    const __m256d x = _mm256_setr_pd(qq[bd[k * W + w]], qq[bd[(k + 1) * W + w]], qq[bd[(k + 2) * W + w]], qq[bd[(k + 3) * W + w]]);
+                    ss = _mm256_add_pd(ss, _mm256_mul_pd(x, x));
+                }
+                const __m256d nrm = up4(_mm256_mul_pd(_mm256_sqrt_pd(ss), m4));
+                _mm256_storeu_pd(k64 + i * NB + k, _mm256_max_pd(lo, up4(_mm256_mul_pd(nrm, s4))));  // NaN stays (second operand)
+            }
+        }
+#endif
+        for (; k < NB; ++k) {
+            double ss = 0.0;
+            for (int64_t w = 0; w < W; ++w) {
+                const double x = (double)qq[bd[k * W + w]];
+                ss += x * x;
+            }
+            const double nrm = up(std::sqrt(ss) * margin);
+            k64[i * NB + k] = std::max(up(nrm * s64), 0x1p-60);
+        }
+    }
+    float nan = 0.0f;
+    for (int64_t i = 0; i < n * NB; ++i) {
+        float f = (float)k64[i];
+        if ((double)f < k64[i]) f = upf(f);
+        k32[i] = f;
+        nan += f * 0.0f;
+    }
+    return nan;
+}
+
 inline double tree8(const double* x) { return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7])); }
 
 // One row's sums over a chunk of L tokens: w the weights, o the readable mask, rt the witness band-major
@@ -317,28 +371,14 @@ void run(const Args& a) {
     static thread_local std::vector<float> kappa_buf;
     kappa_buf.resize((size_t)(B * T * H * NB));
     float* KAPPA = kappa_buf.data();
+    static thread_local std::vector<double> k64_buf;
+    k64_buf.resize((size_t)(B * T * H * NB));
+    double* K64 = k64_buf.data();
     float nan_q = 0.0f;
-    if (a.certify) {
-        // kappa_b >= s ||q_b||, as fast.core.certify.band_norms_up: squares exact in fp64, the W-term
-        // sum and sqrt within gamma_{W+4}, times band_margin, one ulp up; times s, one ulp up;
-        // at least 2^-60; cast to fp32 rounded up.
-        for (int64_t i = 0; i < B * T * H; ++i) {
-            const float* qq = a.q + i * D;
-            for (int64_t k = 0; k < NB; ++k) {
-                double ss = 0.0;
-                for (int64_t w = 0; w < a.W; ++w) {
-                    const double x = (double)qq[a.bands[k * a.W + w]];
-                    ss += x * x;
-                }
-                double nrm = up(std::sqrt(ss) * a.band_margin);
-                double k64 = std::max(up(nrm * a.s64), 0x1p-60);
-                float k32 = (float)k64;
-                if ((double)k32 < k64) k32 = upf(k32);
-                KAPPA[i * NB + k] = k32;
-                nan_q += k32 * 0.0f;
-            }
-        }
-    }
+    if (a.certify) nan_q = kappa_rows(a.q, B * T * H, D, a.bands, NB, a.W, a.s64, a.band_margin, K64, KAPPA);
+
+    // the witness table's shape, checked once per call (256 entries; not per work item)
+    const bool grid = a.certify && KVCERT_AVX2 && lut_is_grid(a.lut);
 
     // ---- pass 1: logits (reads the key codes once) ----
 #pragma omp parallel for schedule(static) num_threads(a.threads)
@@ -507,7 +547,6 @@ void run(const Args& a) {
             // below on the grid table with the 8 tokens' codes adjacent, else per token (grid decode or table
             // gather) and an 8 x 8 float transpose; the same values as the scalar loop after them
             if (sg.rho && sg.rho_u8 && NB == 8) {
-                const bool grid = lut_is_grid(a.lut);
                 const __m256 mant = _mm256_loadu_ps(a.lut + 160);
                 const __m256i bias = _mm256_set1_epi32(20), zero = _mm256_setzero_si256();
                 if (grid && (!sg.bs || sg.bs % 8 == 0)) {
@@ -518,7 +557,10 @@ void run(const Args& a) {
                     const __m256i pair = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
                                                           0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
                     const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-                    const __m256i madj = _mm256_sub_epi32(_mm256_castps_si256(mant), _mm256_slli_epi32(bias, 23));
+                    // code ci = 8 e + m: (ci << 20) = (e << 23) + (m << 20), so v = madj[m] + (ci << 20) with
+                    // madj[m] = bits(mant[m]) - (20 << 23) - (m << 20) (wrapping int32 arithmetic, exact)
+                    const __m256i madj = _mm256_sub_epi32(_mm256_sub_epi32(_mm256_castps_si256(mant), _mm256_slli_epi32(bias, 23)),
+                                                          _mm256_setr_epi32(0, 1 << 20, 2 << 20, 3 << 20, 4 << 20, 5 << 20, 6 << 20, 7 << 20));
                     for (; j + 8 <= std::min(j1, N0); j += 8) {
                         const uint8_t* rc = (const uint8_t*)sg.rho + row_off(sg, sg.r_sb, sg.r_sh, b, h, j, 8);
                         const __m256i p0 = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i*)rc), pair);         // t0 t1 | t2 t3
@@ -536,8 +578,8 @@ void run(const Args& a) {
                         for (int k = 0; k < 8; ++k) {
                             const __m128i w = qw[k / 2];
                             const __m256i ci = _mm256_cvtepu8_epi32(k % 2 ? _mm_unpackhi_epi64(w, w) : w);
-                            const __m256i v = _mm256_add_epi32(_mm256_permutevar8x32_epi32(madj, ci), _mm256_slli_epi32(_mm256_srli_epi32(ci, 3), 23));
-                            const __m256i z = _mm256_or_si256(_mm256_cmpeq_epi32(ci, zero), exm);
+                            const __m256i v = _mm256_add_epi32(_mm256_permutevar8x32_epi32(madj, ci), _mm256_slli_epi32(ci, 20));
+                            const __m256i z = sg.exact ? _mm256_or_si256(_mm256_cmpeq_epi32(ci, zero), exm) : _mm256_cmpeq_epi32(ci, zero);
                             _mm256_storeu_ps(dst + k * L, _mm256_castsi256_ps(_mm256_andnot_si256(z, v)));
                         }
                     }
@@ -784,6 +826,11 @@ int kvcert_fused_abi() { return 1; }
 int kvcert_fused_avx2() { return KVCERT_AVX2; }
 
 int kvcert_lut_is_grid(const float* lut) { return lut_is_grid(lut); }
+
+float kvcert_kappa(const float* q, int64_t n, int64_t D, const int64_t* bands, int64_t NB, int64_t W, double s64, double margin,
+                   double* k64, float* k32) {
+    return kappa_rows(q, n, D, bands, NB, W, s64, margin, k64, k32);
+}
 
 // up / upf against std::nextafter toward +inf: the special values and n pseudo-random bit patterns of each
 // width (seeded); returns the number of mismatches (bits compared; NaN matches NaN)
