@@ -54,7 +54,9 @@ Floating point (math.md T8, matching csrc/cpu_fused.cpp line by line).
   model forms_from_pmz assumes for torch.exp. Measured here: 1.32 u32 (exp_check()).
 - kappa_b >= s ||q_b|| in the kernel, as fast.core.certify.band_norms_up: squares exact in fp64, the
   W-term sum and the sqrt within gamma_{W+4} (u64), times 1 + 2 gamma_{W+4}, one ulp up; times s, one
-  ulp up; at least 2^-60; cast to fp32 rounded up.
+  ulp up; at least 2^-60; cast to fp32 rounded up. AVX2 computes four bands per register with the same
+  operations per lane (csrc: kappa_rows; kvcert_kappa is tested bit for bit against the scalar build and
+  against the exact band norm, since the fp32 rounding up would hide a lost ulp from the stats).
 - c^_j = fl(sum_b kappa_b rho_jb) by fma in band order, nonnegative terms, no underflow (kappa >= 2^-60,
   nonzero rho >= 2^-64 enforced; log codes are >= 2^-20): the exact sum of the fp32 arguments is
   <= c^ / (1 - u32)^NB <= f c^, f = 1 + 2 NB u32; so the exact witness bound
