@@ -9,7 +9,7 @@ One engine per configuration (the plugin reads its settings at start-up), all in
   engines run --speed-rounds times in turn (one after the other, the order swapped each round, so that
   a machine slowing down or speeding up during the run does not land on one side): the cost is the
   median of the rounds' costs, each round's numbers are kept. --speed-only measures just this and
-  replaces the speed part of an existing --out file (the rest of it is kept);
+  replaces the speed part of an existing --out file (the rest of it is kept), or writes a speed-only file;
 - soundness (shadow mode, fp8_e4m3 and fp8_e5m2): every (row, layer, head) read of a batch of
   passkey prompts (prefill rows and decode rows): checks, violations (true TV > bound),
   coverage at 0.2 (share of reads with bound <= 0.2), median bound / true TV;
@@ -172,7 +172,7 @@ def main(argv=None):
     ap.add_argument("--ruler-tokens", type=int, default=1024)
     ap.add_argument("--out", default="results/vllm.json")
     ap.add_argument("--speed-rounds", type=int, default=3, help="rounds of the two fp8 engines in turn (speed)")
-    ap.add_argument("--speed-only", action="store_true", help="only the speed part, written into the existing --out")
+    ap.add_argument("--speed-only", action="store_true", help="only the speed part: replaces it in an existing --out, else a speed-only --out")
     args = ap.parse_args(argv)
     start = time.time()
     import numpy as np

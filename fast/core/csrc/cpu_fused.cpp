@@ -38,8 +38,8 @@ constexpr float LN2_HI = 0.693145751953125f;  // 16 significant bits: n * LN2_HI
 constexpr float LN2_LO = 1.42860682030941723212e-6f;
 constexpr float X_MIN = -87.33654f;            // below this, e^x < 2^-126: kv_exp returns 0
 
-// std::nextafter(x, +inf) without the library call (not inlined; used for every rounded-up bound: kappa per
-// band, e per row, about 15 times per row in the epilogue):
+// std::nextafter(x, +inf) without the library call (which the compiler does not inline; used for every rounded-up
+// bound: kappa per band, e per row, the witness of each written slot, about 15 times per row in the epilogue):
 // the next representable number up, bit for bit the library's (NaN and +inf stay, +-0 -> the smallest
 // subnormal, a positive number's bits + 1, a negative one's - 1); tests/test_cpu_fused.py compares both
 // on special values and random bit patterns (kvcert_up_check).
@@ -378,7 +378,7 @@ void run(const Args& a) {
     if (a.certify) nan_q = kappa_rows(a.q, B * T * H, D, a.bands, NB, a.W, a.s64, a.band_margin, K64, KAPPA);
 
     // the witness table's shape, checked once per call (256 entries; not per work item)
-    const bool grid = a.certify && KVCERT_AVX2 && lut_is_grid(a.lut);
+    [[maybe_unused]] const bool grid = a.certify && KVCERT_AVX2 && lut_is_grid(a.lut);
 
     // ---- pass 1: logits (reads the key codes once) ----
 #pragma omp parallel for schedule(static) num_threads(a.threads)
@@ -927,9 +927,9 @@ int64_t kvcert_paged_witness(const float* key, int64_t n, int64_t Hkv, int64_t D
                     const double x = r[bands[b * W + w]];
                     ss += x * x;
                 }
-                const double nrm = std::nextafter(std::sqrt(ss) * margin, INFINITY);
+                const double nrm = up(std::sqrt(ss) * margin);
                 float f = (float)nrm;
-                if ((double)f < nrm) f = std::nextafter(f, INFINITY);
+                if ((double)f < nrm) f = upf(f);
                 out[b] = (f > 0.0f && f < rho_min) ? rho_min : f;
             }
         }
