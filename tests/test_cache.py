@@ -336,3 +336,50 @@ def test_tiny_delta_req_is_refused_up_front(model):
     with pytest.raises(ValueError, match="underflow"):
         CertifiedCache(model.config, "int8_dither", delta_req=1e-320)
     CertifiedCache(model.config, "int8", delta_req=1e-320)  # no dither tier: the budget is unused
+
+
+def test_cache_refuses_a_model_whose_attention_is_not_the_meter():
+    """Certify or refuse: without enable_meter the model would read the quantized cache with plain
+    sdpa (0 records, no warning); the cache raises at the first read of a non-empty layer instead."""
+    plain = tiny_llama()  # attn "sdpa"
+    cache = CertifiedCache(plain.config, "int8")
+    with pytest.raises(RuntimeError, match="enable_meter"):
+        gen(plain, tiny_ids(1, 40), cache, n=4)
+    assert cache.records == [] and cache.row_records == []
+    # certify=False is the explicit opt-out (the speed baseline): it generates
+    gen(plain, tiny_ids(1, 40), CertifiedCache(plain.config, "int8", certify=False), n=4)
+
+
+def test_threads_sharing_one_model_each_certify_every_read(model):
+    """Several threads generating with one shared model, a cache each: every decode read of every
+    thread is certified (the meter's current layer is per thread), with the single-thread results."""
+    import threading
+    ids = [tiny_ids(1, 50, seed=s) for s in range(8)]
+    alone = [gen(model, x, CertifiedCache(model.config, "int8", seed=7), n=16).tolist() for x in ids]
+    caches = [CertifiedCache(model.config, "int8", seed=7) for _ in ids]
+    outs, errors = [None] * len(ids), []
+    barrier = threading.Barrier(len(ids))
+
+    def run(i):
+        try:
+            barrier.wait()
+            outs[i] = gen(model, ids[i], caches[i], n=16).tolist()
+        except Exception as e:  # reported below: a thread's exception is otherwise lost
+            errors.append(e)
+
+    import sys
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # interleave the threads between a layer's update and its attention call
+    try:
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(ids))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert not errors, errors
+    assert outs == alone
+    for c, x, out in zip(caches, ids, outs):
+        steps = len(out[0]) - x.shape[1] - 1  # decode reads: every new token after the first (EOS may stop early)
+        assert len(c.records) == steps * model.config.num_hidden_layers, "a read went uncertified"

@@ -80,9 +80,14 @@ def test_eviction_composes_with_certified_cache():
     model = LlamaForCausalLM(cfg).eval()
     ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(1))
     cache = CertifiedCache(model.config, "int8")
+    with pytest.raises(RuntimeError, match="enable_meter"):  # sdpa would read the int8 keys uncertified
+        generate(model, ids, evictor=make_evictor("snapkv:100"), max_new_tokens=4, cache=cache)
+    model.set_attn_implementation("kvcert")
+    cache = CertifiedCache(model.config, "int8")
     out = generate(model, ids, evictor=make_evictor("snapkv:100"), max_new_tokens=4, cache=cache)
     e = out["eviction"]
     assert [layer.n for layer in cache.layers] == [103] * 3 and e.bytes_after < e.bytes_before
+    assert len(cache.records) == 3 * 3  # the meter certified every decode read of the quantized keys
     bound = torch.stack([s["bound"] for s in out["trace"]])
     assert bound.shape == (3, 3, 1, 4) and float(bound.min()) > 0 and float(bound.max()) <= 1
 
@@ -145,6 +150,7 @@ def test_shadow_truth_uses_exact_keys_not_quantized():
     from fast.integrations.hf_cache import CertifiedCache
     from fast.policies import evictors as E
     model = _tiny_d32()
+    model.set_attn_implementation("kvcert")  # the meter reads the int4 cache (certify or refuse)
     ids = torch.randint(0, 128, (1, 160), generator=torch.Generator().manual_seed(4))
     seen = []
     orig = E.Certifier.__call__

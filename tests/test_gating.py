@@ -26,7 +26,7 @@ def test_parse_gate():
     assert parse_gate("none") == Gate()
     assert parse_gate("certified:0.2") == Gate("certified", tau=0.2)
     assert parse_gate("risk:3") == Gate("risk", k=3)
-    for bad in ("certified", "certified:x", "certified:1.5", "risk:-1", "risk:a", "always", "certified:"):
+    for bad in ("certified", "certified:x", "certified:1.5", "risk:-1", "risk:a", "always", "certified:", 0.2, 3):
         with pytest.raises(ValueError):
             parse_gate(bad)
 

@@ -78,3 +78,22 @@ def test_core_imports_neither_transformers_nor_vllm():
         "assert not bad, bad\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_wheel_ships_the_fused_kernel_source(tmp_path):
+    """An installed kvcert builds its fused CPU read from fast/core/csrc/cpu_fused.cpp at first use:
+    the wheel built from pyproject must carry that file (without it the read is not there)."""
+    import shutil
+    import zipfile
+    tree = tmp_path / "src"  # a copy: setuptools builds in the tree, and a stale build/ there would hide a miss
+    for name in ("fast", "spec", "reference", "benchmarks"):
+        shutil.copytree(ROOT / name, tree / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, tree / name)
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", str(tree), "--no-deps", "--no-build-isolation",
+                        "-q", "-w", str(tmp_path)], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    names = zipfile.ZipFile(next(tmp_path.glob("kvcert-*.whl"))).namelist()
+    src = FAST / "core" / "csrc"
+    for f in src.glob("*.cpp"):
+        assert f"fast/core/csrc/{f.name}" in names, f"the wheel lacks {f.name}"

@@ -25,6 +25,8 @@ from fast.core.witness import pack_witness, unpack_witness, witness, witness_fro
 from fast.core.certify import band_norms_up, up32
 from fast.policies.gate import Gate, parse_gate
 
+METERS = ("kvcert", "kvcert_fused")  # the attention functions that certify reads of this cache
+
 NB = 8  # RoPE bands per head (fast.rope_bands(D, NB, "rotate_half"))
 
 
@@ -408,6 +410,7 @@ class CertifiedCache(Cache):
 
     def __init__(self, config, scheme="int8", *, gate="none", sinks=4, window=32, shadow=False,
                  seed=None, delta_req=1e-3, offload="full", derived=False, nbands=NB, certify=True, value_bound=False):
+        self.config = config   # the model's config: its attention implementation must be the meter (check_meter)
         self.scheme = get_scheme(scheme)
         self.gate = parse_gate(gate)
         if offload not in ("full", "residual"):
@@ -454,9 +457,23 @@ class CertifiedCache(Cache):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if layer_idx == 0 and self.gate.kind == "risk" and not self.risk_done and self.layers[0].n:
             self.apply_risk()
-        keys, values = self.layers[layer_idx].update(key_states, value_states)
-        set_current(self.layers[layer_idx])
+        layer = self.layers[layer_idx]
+        if self.certify and layer.is_initialized and layer.n:
+            self.check_meter()
+        keys, values = layer.update(key_states, value_states)
+        set_current(layer)
         return keys, values
+
+    def check_meter(self):
+        """Certify or refuse: the model reads the keys update() returns with the attention function
+        its config names (the config given here: pass model.config). Unless that is the meter, those
+        reads of quantized keys would go uncertified, so they are refused before they happen."""
+        attn = getattr(self.config, "_attn_implementation", None)
+        # a wrapper names itself "wrapper-inner" and calls inner (fast.policies.evictors.collecting)
+        if str(attn).split("-")[-1] not in METERS:
+            raise RuntimeError(f"CertifiedCache: the model's attention is {attn!r}, not the kvcert meter, so reads of "
+                               "the compressed cache would go uncertified: call fast.enable_meter(model) first and "
+                               "build the cache with model.config (certify=False serves uncertified on purpose)")
 
     def apply_risk(self):
         """risk:K: the K (layer, KV head) slots with the highest prefill risk are served exact."""

@@ -226,7 +226,7 @@ def _last(cert):
 
 def fused_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """AttentionInterface function: the fused read where it applies, else the kvcert meter."""
-    layer = hf_meter._CURRENT[0]
+    layer = hf_meter.current()
     if (isinstance(layer, FusedLayer) and key is layer.served_k and layer.layer_idx == getattr(module, "layer_idx", None)
             and layer.nq + layer.k_tail.shape[2] > query.shape[2] and layer.fused_ok()):
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5

@@ -18,6 +18,8 @@ the dither tier (T6) for int8_dither, the gate, with value_bound=True the output
 (T5), and in shadow mode the true TV (and true_out_err = ||o - out|| from the exact keys and values).
 """
 
+import threading
+
 import torch
 from transformers import AttentionInterface
 
@@ -29,11 +31,18 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "kvcert"
 FORMS = ("tanh", "one_minus_b_over_a", "e_form", "min")
-_CURRENT = [None]  # the cache layer updated last: its attention call comes next
+# The cache layer updated last IN THIS THREAD: its attention call comes next. Per thread, so that
+# several threads generating with one shared model (each with its own cache) never read each
+# other's layer and fall through to plain sdpa.
+_LOCAL = threading.local()
 
 
 def set_current(layer):
-    _CURRENT[0] = layer
+    _LOCAL.layer = layer
+
+
+def current():
+    return getattr(_LOCAL, "layer", None)
 
 
 def enable(model):
@@ -238,7 +247,7 @@ def prefill_step(layer, module, query, key, value, mask, scale, **kwargs):
 
 def kvcert_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """AttentionInterface function: query [B, H, q, D], key/value [B, Hkv, N, D] from the cache."""
-    layer = _CURRENT[0]
+    layer = current()
     if layer is None or key is not layer.served_k or layer.layer_idx != getattr(module, "layer_idx", None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5

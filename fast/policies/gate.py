@@ -20,6 +20,8 @@ def parse_gate(spec):
     """'none', 'certified:0.2' or 'risk:4' -> Gate; anything else -> ValueError (one line)."""
     if isinstance(spec, Gate):
         return spec
+    if spec is not None and not isinstance(spec, str):
+        raise ValueError(f"gate {spec!r}: a string, 'none', 'certified:TAU' or 'risk:K' (e.g. gate='certified:{spec}')")
     spec = (spec or "none").strip()
     if spec == "none":
         return Gate()
