@@ -15,12 +15,15 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mpmath import fsum, mpf, sqrt, workdps
 from mpmath import exp as mexp
 
 import fast
 from fast.core import cpu_fused
 from fast.core.attention import attention_rows, decode_attention
+from reference import value as ref_value
 
 
 def subnormal_case():
@@ -128,3 +131,40 @@ def test_fused_cache_refuses_value_bound():
     with pytest.raises(ValueError, match="value_bound"):
         FusedCertifiedCache(config, "int8", value_bound=True)
     FusedCertifiedCache(config, "int8")  # the default still builds
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 8), seed=st.integers(0, 2**31 - 1), eta=st.floats(0, 0.3), beta=st.floats(0, 0.1))
+def test_served_weights_tv_bound_holds(n, seed, eta, beta):
+    """Property (T5c): weights perturbed by at most eta a_j + beta (adversarial: signs and the absolute
+    part at its limit) stay within the reference bound of TV(a / sum a, w / sum w)."""
+    g = torch.Generator().manual_seed(seed)
+    a = [mpf(float(x)) for x in torch.rand(n, generator=g)]
+    a[0] += 1
+    signs = [1 if float(x) > 0.5 else -1 for x in torch.rand(n, generator=g)]
+    w = [max(mpf(0), aj + sj * (mpf(eta) * aj + mpf(beta))) for aj, sj in zip(a, signs)]
+    if sum(w) == 0:
+        return
+    with workdps(40):
+        A, W = fsum(a), fsum(w)
+        true = fsum(abs(aj / A - wj / W) for aj, wj in zip(a, w)) / 2
+    assert true <= ref_value.served_weights_tv_bound(n, eta, beta, A)
+
+
+@settings(max_examples=300, deadline=None)
+@given(S=st.floats(-1e3, 1e3), W=st.floats(1e-3, 1e3), dS=st.floats(-1, 1), dW=st.floats(-1, 1),
+       E=st.floats(0, 1e-2), g=st.floats(0, 0.5), tiny=st.booleans())
+def test_out_quotient_bound_holds(S, W, dS, dW, E, g, tiny):
+    """Property (T5d): fp32 rn(S^ / W^) (round to nearest, subnormals: reference.floats.round_nearest) with
+    |S^ - S| <= E, |W^ - W| <= g W is within the reference bound of S / W, down to the subnormal range."""
+    from reference.floats import round_nearest
+    scale = mpf(2) ** -140 if tiny else mpf(1)
+    with workdps(60):
+        S, E = mpf(S) * scale, mpf(E) * scale
+        W = mpf(W)
+        Sh, Wh = S + mpf(dS) * E, W * (1 + mpf(dW) * mpf(g))
+        if Wh <= 0:
+            return
+        V = abs(S) / W
+        true = abs(round_nearest(Sh / Wh, "fp32") - S / W)
+        assert true <= ref_value.out_quotient_bound(E, V, W, g, mpf(2) ** -24, mpf(2) ** -150)

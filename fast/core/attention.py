@@ -230,11 +230,12 @@ def output_error_bound(w, valid, vinfo, tv, N, D, scaled=False):
     rounding each): by T8d (proofs/FloatDot.v abs_fdot_sub_le_f32)
       |S^_i - S_i| <= (gamma_N (1 + u) + u) sum_j w_j |v~_ji| + a_N,
       a_N = (2N - 1) 2^-150 / (1 - N u)  [+ 128 N 2^-150 (1 + gamma_N) token-scaled],
-    the fp32 sum of w within gamma_N (T8a, T8f), the division one rounding (relative u, absolute
-    2^-150): |out_i - S_i / W| <= (2 gamma_{N+2} + u)(1.01) vmax_i + (1 + 2u) a_N / ((1 - gamma_N) W) + 2^-150
-    (Higham 3.5 for the relative part; W = sum w >= Z (1 - 2 gamma_N(u64)), Z its fp64 sum).
-    In norm: 2.02 gamma_{N+2} ||vmax|| (+u inside the 1.01 factor, gamma_{N+2} >= 2 u) plus sqrt(D)
-    times the absolute part (values near the fp32 subnormal range: products and sums below 2^-126).
+    the fp32 sum W^ of w within g W, g = gamma_N / (1 - gamma_N) (T8a, T8f), the division one
+    rounding (relative u, absolute 2^-150): by T5d (proofs/Served.v out_quotient_le_f32), with
+    c = gamma_N (1 + u) + u, |out_i - S_i / W| <= ((1 + u)(c + g)/(1 - g) + u) vmax_i
+    + (1 + u) a_N / ((1 - g) W) + 2^-150 (W = sum w >= Z (1 - 2 gamma_N(u64)), Z its fp64 sum).
+    In norm: that coefficient times ||vmax|| plus sqrt(D) times the absolute part (values near the
+    fp32 subnormal range: products and sums below 2^-126).
     Maxima over the row's visible tokens only (valid: [B, N] or [B, H, N]). Terms nonnegative,
     fp64, a dozen roundings: the final factor 1 + 2^-40, then rounded up to fp32."""
     B, H, _ = w.shape
@@ -253,13 +254,18 @@ def output_error_bound(w, valid, vinfo, tv, N, D, scaled=False):
     rmax = torch.where(vis, vinfo["rad"].unsqueeze(2), 0.0).amax(-1).expand(B, Hkv, G).reshape(B, H)
     emax = torch.where(vis, err.unsqueeze(2), 0.0).amax(-1).expand(B, Hkv, G).reshape(B, H)
     tv_w = torch.clamp(tv.to(torch.float64), max=1.0)
-    arith = 2.02 * _gamma32(N + 2) * vinfo["vnorm"].repeat_interleave(G, dim=1)
     g32 = _gamma32(N)
+    g = g32 / (1 - g32) if g32 < 0.5 else math.inf  # |W^ - W| <= g W (T8a: W (1 - g32) <= W^; T8f: W^ (1 - g32) <= W)
+    c = g32 * (1 + U32) + U32  # the dot product's relative part, with the token-scaled leaves' extra rounding
     eta = 2.0 ** -150
     a_n = (2 * N - 1) * eta / (1 - N * U32) if N * U32 < 0.5 else math.inf
     if scaled:
         a_n += 128 * N * eta * (1 + g32)
-    subnormal = math.sqrt(D) * (1 + 1e-9) * ((1 + 2 * U32) * a_n / ((1 - g32) * z_lo) + eta)
+    # T5d (proofs/Served.v out_quotient_le_f32) with E = c W vmax_i + a_n, V = vmax_i: per coordinate
+    # ((1 + u)(c + g)/(1 - g) + u) vmax_i + (1 + u) a_n / ((1 - g) W) + eta; in norm, ||vmax|| and sqrt(D)
+    rel = ((1 + U32) * (c + g) / (1 - g) + U32) * (1 + 1e-9) if g < 1 else math.inf
+    arith = rel * vinfo["vnorm"].repeat_interleave(G, dim=1)
+    subnormal = math.sqrt(D) * (1 + 1e-9) * ((1 + U32) * a_n / ((1 - g) * z_lo) + eta)
     bound = (tv_w * (2 * rmax + 2 * emax) + spread + arith + subnormal) * (1 + 2.0 ** -40)
     return up32(bound)
 
