@@ -17,7 +17,9 @@ c_eff = c + 2 e, the reported forms of (softmax(x^), c_eff) are
     A(p~, c) = sum p^ e^{d + c} / sum p^ e^{d} <= e^{e} A(p^, c) / e^{-e} = A(p^, c + 2e),
     B(p~, c) / A(p~, c) = sum p^ e^{d - c} / sum p^ e^{d + c} >= B(p^, c + e) / A(p^, c + e)
   and every form is nondecreasing in c, so forms(p~, c) <= forms(p^, c + 2e) (tanh: max c grows);
-- >= TV(softmax(x), softmax(x^)) directly by T2, since |x_j - x^_j| <= c_j + e.
+- >= TV(softmax(x), softmax(x^)) directly by T2, since |x_j - x^_j| <= c_j + e;
+and every TV form then adds r_w (fast.core.certify.weight_rounding, T5c): >= TV(softmax(x), w / sum w)
+for the fp32 weights w the output is made of (the attention the server actually computed).
 The sums and their margins: fast.core.certify.forms_from_pmz (fp32 terms, fp64 sums, any order:
 proofs/Float.v), and attention_torch for when the fp64 terms are used instead.
 
