@@ -189,9 +189,10 @@ def weight_rounding(e, n, d_head, drift=0.0, rescales=0):
     for |x^_j - m| > T_CUT): |w_j - a_j| <= expm1(theta) a_j + TINY, a_j = e^{x^_j - m}, theta =
     u32 T + 2 EXP32_EPS. With sum a >= 1 (the argmax term), proofs/Served.v
     tv_normalized_le_of_rel_abs: TV(a / sum a, w / sum w) <= expm1(theta) + n TINY.
-    The Triton kernel (online softmax, fp32 tl.exp = ex2 of x log2(e) on a GPU) serves
-    w_j = p_j prod alpha, rescaled by alpha = exp(fl(m_old - m_new)) at most `rescales` times,
-    sum |m_old - m_new| = drift: theta = 2 u32 (T + drift) + 2 EXP32_EPS (1 + rescales).
+    The Triton kernel (online softmax; fp32 exp: libdevice's expf on a GPU, numpy's under the
+    interpreter, A5) serves w_j = p_j prod alpha, p_j at the block's running max, rescaled by
+    alpha = exp(fl(m_old - m_new)) at most `rescales` times, sum |m_old - m_new| = drift:
+    theta = 2 u32 (T + drift) + 2 EXP32_EPS (1 + rescales) (each exponent's rounding counted twice).
     Every operation is rounded up (nextafter); expm1 within EXP_EPS."""
     T = np.minimum(_up(2 * e / ((d_head + 4) * U32)), T_CUT[torch.float32])
     if rescales:
