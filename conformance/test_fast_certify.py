@@ -163,3 +163,25 @@ def test_logit_rounding_covers_subnormal_products():
         err = abs(mpf(x) - exact)
     e = float(fast.core.certify.logit_rounding(q, k.abs().amax(-2).double(), s)[0, 0])
     assert err <= mpf(e), (err, e)
+
+
+@settings(max_examples=200, deadline=None)
+@given(e=st.floats(1e-30, 1e2), n=st.integers(1, 1 << 20), D=st.sampled_from([16, 64, 128, 256]),
+       drift=st.floats(0, 100), rescales=st.integers(0, 4096))
+def test_weight_rounding_ge_reference(e, n, D, drift, rescales):
+    """Differential (spec T5c): fast.core.certify.weight_rounding >= the 60-digit eta + n beta / sum a with
+    sum a >= 1, eta = expm1(theta) exactly, beta = 2^-126 (the twin's theta, and the Triton kernel's)."""
+    import numpy as np
+    from mpmath import expm1, workdps
+    from fast.core.certify import EXP32_EPS, U32, weight_rounding
+    from reference.value import served_weights_tv_bound
+    with workdps(60):
+        T = min(2 * mpf(e) / ((D + 4) * mpf(U32)), mpf(88))
+        for args, theta in (((), mpf(U32) * T + 2 * mpf(EXP32_EPS)),
+                            ((drift, rescales), 2 * mpf(U32) * (T + mpf(drift)) + 2 * mpf(EXP32_EPS) * (1 + rescales))):
+            if args and not rescales:
+                continue  # rescales = 0 is the twin's formula
+            fast_r = mpf(float(weight_rounding(np.array([e]), n, D, *args)[0]))
+            want = served_weights_tv_bound(n, expm1(theta), mpf(2) ** -126, 1)
+            assert fast_r >= want, (fast_r, want, e, n, D, args)
+            assert fast_r <= want * (1 + mpf("1e-9")) + mpf("1e-300")  # not loose

@@ -38,3 +38,22 @@ def value_error_bound(p_tilde, v_hat, e_norms, tv):
     for p, e in zip(p_tilde, es):
         spread += mpf(p) * e
     return mpf(tv) * (diameter(v_hat) + 2 * max(es)) + spread
+
+
+@workdps(DPS)
+def served_weights_tv_bound(n, eta, beta, sum_a):
+    """TV(a / sum a, w / sum w) <= eta + n beta / sum a for per-weight errors |w_j - a_j| <=
+    eta a_j + beta (spec T5c, proofs/Served.v tv_normalized_le_of_rel_abs)."""
+    if n < 1 or mpf(eta) < 0 or mpf(beta) < 0 or mpf(sum_a) <= 0:
+        raise ValueError("served_weights_tv_bound: n >= 1, eta, beta >= 0, sum_a > 0")
+    return mpf(eta) + n * mpf(beta) / mpf(sum_a)
+
+
+@workdps(DPS)
+def out_quotient_bound(E, V, W, g, u, eta):
+    """|rn(S^ / W^) - S / W| <= (1 + u)(E + g V W) / ((1 - g) W) + u V + eta for |S^ - S| <= E,
+    |W^ - W| <= g W, |S| <= V W (spec T5d, proofs/Served.v out_quotient_le)."""
+    E, V, W, g, u, eta = (mpf(x) for x in (E, V, W, g, u, eta))
+    if not (W > 0 and 0 <= g < 1 and E >= 0 and V >= 0):
+        raise ValueError("out_quotient_bound: W > 0, 0 <= g < 1, E, V >= 0")
+    return (1 + u) * (E + g * V * W) / ((1 - g) * W) + u * V + eta

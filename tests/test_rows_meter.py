@@ -157,3 +157,33 @@ def test_rows_uncertified_baseline_matches(model):
             outs.append(model(ids[:, 30:], past_key_values=cache, use_cache=True).logits)
         assert len(cache.row_records) == (model.config.num_hidden_layers if certify else 0)
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)  # fp32 both; different matmul order
+
+
+def test_bf16_model_out_err_covers_the_cast():
+    """A bf16 model gets out.to(bf16): out_err covers that cast (issue 19). The truth: ||o - served|| with o
+    the exact output the shadow copy gives (fp64, exact keys and values) and served the attention output
+    the model's o_proj actually receives (captured at its input)."""
+    from fast.integrations import hf_meter
+    model = enable(tiny_llama()).to(torch.bfloat16)
+    exact, served = [], []
+    orig = hf_meter.exact_output
+
+    def spy(p, v, Hkv):
+        exact.append(orig(p, v, Hkv))
+        return exact[-1]
+    hf_meter.exact_output = spy
+    hooks = [l.self_attn.o_proj.register_forward_pre_hook(lambda m, a: served.append(a[0].detach().clone()))
+             for l in model.model.layers]
+    try:
+        cache = CertifiedCache(model.config, "int8", sinks=0, window=64, shadow=True, value_bound=True)
+        gen(model, tiny_ids(1, 20), cache, n=3)
+    finally:
+        hf_meter.exact_output = orig
+        for h in hooks:
+            h.remove()
+    assert len(cache.records) == len(exact) > 0
+    for r, o, s in zip(cache.records, exact, served[-len(exact):]):
+        B, H, D = o.shape
+        true = (o - s.view(B, H, D).double()).norm(dim=-1)
+        assert bool((true <= r["out_err"].double()).all()), (true, r["out_err"])
+        assert float(true.max()) > 1e-5  # the bf16 cast is visible: the check is not vacuous

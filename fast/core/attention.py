@@ -17,7 +17,9 @@ c_eff = c + 2 e, the reported forms of (softmax(x^), c_eff) are
     A(p~, c) = sum p^ e^{d + c} / sum p^ e^{d} <= e^{e} A(p^, c) / e^{-e} = A(p^, c + 2e),
     B(p~, c) / A(p~, c) = sum p^ e^{d - c} / sum p^ e^{d + c} >= B(p^, c + e) / A(p^, c + e)
   and every form is nondecreasing in c, so forms(p~, c) <= forms(p^, c + 2e) (tanh: max c grows);
-- >= TV(softmax(x), softmax(x^)) directly by T2, since |x_j - x^_j| <= c_j + e.
+- >= TV(softmax(x), softmax(x^)) directly by T2, since |x_j - x^_j| <= c_j + e;
+and every TV form then adds r_w (fast.core.certify.weight_rounding, T5c): >= TV(softmax(x), w / sum w)
+for the fp32 weights w the output is made of (the attention the server actually computed).
 The sums and their margins: fast.core.certify.forms_from_pmz (fp32 terms, fp64 sums, any order:
 proofs/Float.v), and attention_torch for when the fp64 terms are used instead.
 
@@ -216,22 +218,26 @@ def value_info(v, v_err):
     return {"err": v_err.to(torch.float64), "rad": rad, "vnorm": vnorm}
 
 
-def output_error_bound(w, valid, vinfo, tv, e, N, D):
+def output_error_bound(w, valid, vinfo, tv, N, D, scaled=False):
     """out_err [B, H] fp32 >= ||o - out||: o = sum_j p_j v_j the exact attention output (exact
     keys and values), out the fp32 output served from the weights w [B, H, N] (fp32, 0 at masked
     tokens) over v~. With p_w = w / sum w (the distribution the output is made of):
       ||o - out|| <= ||o - sum p_w v~|| + ||sum p_w v~ - out||
       ||o - sum p_w v~|| <= TV(p, p_w) diam{v} + sum_j p_w,j ||e_j||            (math.md T5a)
       diam{v} <= diam{v~} + 2 max ||e_j|| <= 2 max ||v~_j - centre|| + 2 max ||e_j||  (T5b)
-      TV(p, p_w) <= TV(p, p^) + TV(p^, p_w) <= tv + r_w,
-    tv >= TV(softmax(x), softmax(x^)) (the certificate's min), and w_j = e^{x^_j - m} e^{theta_j}
-    with |theta_j| <= u32 T + 2 EXP32_EPS (the rounded difference x^_j - m, |x^_j - m| <= T, as in
-    fast.core.certify.forms_from_pmz; the fp32 exp) above the least normal number, absolute
-    error <= 2^-126 below it: since sum_j e^{x^_j - m} >= 1, TV(p^, p_w) <= sum |w - e^{x^-m}| /
-    sum e^{x^-m} <= expm1(theta) + N 2^-126 =: r_w. The output's fp32 arithmetic (a matmul with
-    N-term sums, and for a token-scaled int8 cache one product more, the sum of w, the division):
-    |out_i - (sum p_w v~)_i| <= (2 gamma_{N+2} + u32)(1.01) vmax_i (Higham 3.5, any order):
-    in norm <= 2.02 gamma_{N+2} ||vmax|| (+u32 inside the 1.01 factor, gamma_{N+2} >= 2 u32).
+    and tv >= TV(p, p_w) (the certificate's min: it includes the weights' rounding r_w,
+    fast.core.certify.weight_rounding). The output's fp32 arithmetic, per coordinate i: S_i =
+    sum_j w_j v~_ji is a SIGNED N-term fp32 dot product (a matmul, any order, FMA or not; for a
+    token-scaled int8 cache the leaves are fl(w_j sc_j) times the codes |m| <= 127, one more
+    rounding each): by T8d (proofs/FloatDot.v abs_fdot_sub_le_f32)
+      |S^_i - S_i| <= (gamma_N (1 + u) + u) sum_j w_j |v~_ji| + a_N,
+      a_N = (2N - 1) 2^-150 / (1 - N u)  [+ 128 N 2^-150 (1 + gamma_N) token-scaled],
+    the fp32 sum W^ of w within g W, g = gamma_N / (1 - gamma_N) (T8a, T8f), the division one
+    rounding (relative u, absolute 2^-150): by T5d (proofs/Served.v out_quotient_le_f32), with
+    c = gamma_N (1 + u) + u, |out_i - S_i / W| <= ((1 + u)(c + g)/(1 - g) + u) vmax_i
+    + (1 + u) a_N / ((1 - g) W) + 2^-150 (W = sum w >= Z (1 - 2 gamma_N(u64)), Z its fp64 sum).
+    In norm: that coefficient times ||vmax|| plus sqrt(D) times the absolute part (values near the
+    fp32 subnormal range: products and sums below 2^-126).
     Maxima over the row's visible tokens only (valid: [B, N] or [B, H, N]). Terms nonnegative,
     fp64, a dozen roundings: the final factor 1 + 2^-40, then rounded up to fp32."""
     B, H, _ = w.shape
@@ -241,20 +247,40 @@ def output_error_bound(w, valid, vinfo, tv, e, N, D):
     err = vinfo["err"]
     S = torch.matmul(w64, err.unsqueeze(-1)).view(B, H)  # N products and an N-term sum in fp64
     Z = w64.sum(-1).view(B, H)
-    spread = S * (1 + 2 * gamma(N + 2)) / (Z * (1 - 2 * gamma(N)))
+    z_lo = Z * (1 - 2 * gamma(N))
+    spread = S * (1 + 2 * gamma(N + 2)) / z_lo
     if valid is None:
         vis = torch.ones(B, 1, 1, N, dtype=torch.bool, device=w.device)
     else:
         vis = valid.view(B, 1, 1, N) if valid.dim() == 2 else valid.view(B, Hkv, G, N)
     rmax = torch.where(vis, vinfo["rad"].unsqueeze(2), 0.0).amax(-1).expand(B, Hkv, G).reshape(B, H)
     emax = torch.where(vis, err.unsqueeze(2), 0.0).amax(-1).expand(B, Hkv, G).reshape(B, H)
-    e64 = torch.from_numpy(np.asarray(e, dtype=np.float64)).to(w.device)
-    theta = U32 * torch.clamp(2 * e64 / ((D + 4) * U32), max=88.0) + 2 * EXP32_EPS
-    r_w = torch.expm1(theta) * (1 + 1e-9) + N * 2.0 ** -126
-    tv_w = torch.clamp(tv.to(torch.float64) + r_w, max=1.0)
-    arith = 2.02 * _gamma32(N + 2) * vinfo["vnorm"].repeat_interleave(G, dim=1)
-    bound = (tv_w * (2 * rmax + 2 * emax) + spread + arith) * (1 + 2.0 ** -40)
+    tv_w = torch.clamp(tv.to(torch.float64), max=1.0)
+    g32 = _gamma32(N)
+    g = g32 / (1 - g32) if g32 < 0.5 else math.inf  # |W^ - W| <= g W (T8a: W (1 - g32) <= W^; T8f: W^ (1 - g32) <= W)
+    c = g32 * (1 + U32) + U32  # the dot product's relative part, with the token-scaled leaves' extra rounding
+    eta = 2.0 ** -150
+    a_n = (2 * N - 1) * eta / (1 - N * U32) if N * U32 < 0.5 else math.inf
+    if scaled:
+        a_n += 128 * N * eta * (1 + g32)
+    # T5d (proofs/Served.v out_quotient_le_f32) with E = c W vmax_i + a_n, V = vmax_i: per coordinate
+    # ((1 + u)(c + g)/(1 - g) + u) vmax_i + (1 + u) a_n / ((1 - g) W) + eta; in norm, ||vmax|| and sqrt(D)
+    rel = ((1 + U32) * (c + g) / (1 - g) + U32) * (1 + 1e-9) if g < 1 else math.inf
+    arith = rel * vinfo["vnorm"].repeat_interleave(G, dim=1)
+    subnormal = math.sqrt(D) * (1 + 1e-9) * ((1 + U32) * a_n / ((1 - g) * z_lo) + eta)
+    bound = (tv_w * (2 * rmax + 2 * emax) + spread + arith + subnormal) * (1 + 2.0 ** -40)
     return up32(bound)
+
+
+def served_distance(a, b):
+    """[...] fp32 >= ||a - b|| over the last axis, for a, b fp32 (or bf16 / fp16) tensors of one shape:
+    the difference of two fp32 values is exact in fp64, the norm as fast.core.certify.band_norms_up
+    (one band of all coordinates), rounded up. ||o - b|| <= ||o - a|| + ||a - b||: what an output bound
+    of a gains when b is served instead (the Triton kernel's output against its torch twin's, the cast of
+    the fp32 output to a bf16 / fp16 model's dtype)."""
+    d = a.to(torch.float64) - b.to(torch.float64)
+    one_band = torch.arange(d.shape[-1], device=d.device).unsqueeze(0)
+    return up32(band_norms_up(d, one_band)[..., 0])
 
 
 def attention_torch(q, k, v, rho, s, bands, valid, exact, certify=True, dense=None, kmax=None, vinfo=None):
@@ -315,7 +341,7 @@ def attention_torch(q, k, v, rho, s, bands, valid, exact, certify=True, dense=No
         w64 = torch.exp(x64 - x64.amax(-1, keepdim=True))
         cert = forms_from_pmz(weighted_sums(w64, c.clamp(max=SATURATE_C)), cmax, e, N, D, torch.float64)
     if vinfo is not None:
-        cert["out_err"] = output_error_bound(w, valid, vinfo, cert["min"], e, N, D)
+        cert["out_err"] = output_error_bound(w, valid, vinfo, cert["min"], N, D, scaled=isinstance(vx, tuple))
     return out, cert
 
 
@@ -382,8 +408,8 @@ def attention_rows(q, k, v, rho, scale, *, bands, q_pos, k_pos=None, valid=None,
             o, c = triton_kernels.decode_attention(q[:, t], k, v, rho, s, bands, rows[:, t], exact, certify)
             outs.append(o)
             certs.append(c)
-            if vinfo is not None:  # the kernel keeps its weights: out_err from the torch twin of the row
-                c["out_err"] = attention_torch(q[:, t], k, v, rho, s, bands, rows[:, t], exact, True, vinfo=vinfo)[1]["out_err"]
+            if vinfo is not None:  # the kernel keeps its weights: the twin's out_err plus ||out_twin - o||
+                c["out_err"] = _served_out_err(o, attention_torch(q[:, t], k, v, rho, s, bands, rows[:, t], exact, True, vinfo=vinfo))
         out = torch.stack(outs, 1)
         return out, (None if not certify else {key: torch.stack([c[key] for c in certs], 1) for key in certs[0]})
     dense, kmax = (_dense(k), _dense(v)), (max_abs(k) if certify else None)
@@ -402,6 +428,13 @@ def attention_rows(q, k, v, rho, scale, *, bands, q_pos, k_pos=None, valid=None,
     if not certify:
         return out, None
     return out, {key: torch.cat([c[key] for c in certs], 1).contiguous() for key in certs[0]}
+
+
+def _served_out_err(out, twin):
+    """out_err of the output `out` the Triton kernel served, from its torch twin (out_twin, cert):
+    ||o - out|| <= ||o - out_twin|| + ||out_twin - out|| <= out_err_twin + served_distance, rounded up."""
+    o_twin, cert = twin
+    return up32(cert["out_err"].to(torch.float64) + served_distance(o_twin, out).to(torch.float64))
 
 
 def _derive_rho(k, rho, bands, certify, backend, q):
@@ -438,6 +471,6 @@ def decode_attention(q, k, v, rho, scale, *, bands, valid=None, exact=None, back
         from fast.core import triton_kernels
         out, cert = triton_kernels.decode_attention(q, k, v, rho, s, bands, valid, exact, certify)
         if vinfo is not None:
-            cert["out_err"] = attention_torch(q, k, v, rho, s, bands, valid, exact, True, vinfo=vinfo)[1]["out_err"]
+            cert["out_err"] = _served_out_err(out, attention_torch(q, k, v, rho, s, bands, valid, exact, True, vinfo=vinfo))
         return out, cert
     return attention_torch(q, k, v, rho, s, bands, valid, exact, certify, vinfo=vinfo)

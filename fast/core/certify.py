@@ -180,6 +180,40 @@ def _down(x):
     return np.nextafter(x, -np.inf)
 
 
+def weight_rounding(e, n, d_head, drift=0.0, rescales=0):
+    """r_w [B, H] fp64 numpy >= TV(softmax(x^), w / sum w): what the rounding of the served fp32
+    weights w_j = fl(exp(fl(x^_j - m))) adds to a certificate (x^ the fp32 logits, m their max over
+    the row's tokens, e [B, H] the logit rounding bound). The difference rounds with relative u32 and
+    |x^_j - m| <= T = min(2e / ((D + 4) u32), T_CUT) (forms_from_pmz), the fp32 exp within EXP32_EPS
+    above the least normal number TINY (A5; kv_exp: checked exhaustively), absolute TINY below (and
+    for |x^_j - m| > T_CUT): |w_j - a_j| <= expm1(theta) a_j + TINY, a_j = e^{x^_j - m}, theta =
+    u32 T + 2 EXP32_EPS. With sum a >= 1 (the argmax term), proofs/Served.v
+    tv_normalized_le_of_rel_abs: TV(a / sum a, w / sum w) <= expm1(theta) + n TINY.
+    The Triton kernel (online softmax; fp32 exp: libdevice's expf on a GPU, numpy's under the
+    interpreter, A5) serves w_j = p_j prod alpha, p_j at the block's running max, rescaled by
+    alpha = exp(fl(m_old - m_new)) at most `rescales` times, sum |m_old - m_new| = drift:
+    theta = 2 u32 (T + drift) + 2 EXP32_EPS (1 + rescales) (each exponent's rounding counted twice).
+    Every operation is rounded up (nextafter); expm1 within EXP_EPS."""
+    T = np.minimum(_up(2 * e / ((d_head + 4) * U32)), T_CUT[torch.float32])
+    if rescales:
+        theta = _up(2 * U32 * _up(T + drift) + 2 * EXP32_EPS * (1 + rescales))
+    else:
+        theta = _up(U32 * T + 2 * EXP32_EPS)
+    return _up(_up(np.expm1(theta) * (1 + EXP_EPS)) + n * TINY[torch.float32])
+
+
+def with_weight_rounding(forms, r_w):
+    """forms (fp64 torch dict of forms_from_sums) + r_w ([B, H] fp64) on every TV bound (tanh,
+    one_minus_b_over_a, e_form, min; capped at 1): TV(p, w_served) <= TV(p, p^) + TV(p^, w_served)
+    (proofs/Served.v tv_served_le). A, B and max_c stay those of softmax(x^)."""
+    out = dict(forms)
+    for key in FORMS:
+        out[key] = up64(forms[key] + r_w)
+        if key != "e_form":
+            out[key] = torch.clamp(out[key], max=1.0)
+    return out
+
+
 def forms_from_pmz(sums, cmax, e, n, d_head, dtype):
     """The decode certificate (fast.core.attention) from the weighted sums of one step.
 
@@ -188,7 +222,9 @@ def forms_from_pmz(sums, cmax, e, n, d_head, dtype):
     w_j = fl(exp(fl(x_j - m))) the softmax weights of the fp32 logits x (0 at padding), c_j the
     witness bounds in dtype (c_j + 2^-150 >= the exact bound); cmax [B, H] >= max_j c_j; e [B, H]
     fp64 numpy, the logit rounding bound (fast.core.certify.logit_rounding); n tokens, d_head = D.
-    Returns the fp32 dict (A up, B down, max_c, tanh, one_minus_b_over_a, e_form, min), or None
+    Every TV form (tanh, one_minus_b_over_a, e_form, min) includes r_w = weight_rounding(e, n, d_head):
+    it bounds TV(softmax(x), w / sum w), the fp32 weights served (w computed in fp32 whatever dtype
+    the terms use here). Returns the fp32 dict (A up, B down, max_c, tanh, one_minus_b_over_a, e_form, min), or None
     when dtype is fp32 and a row has max c_eff > CMAX32 (the caller redoes it in fp64); fp64
     rows with max c_eff > SATURATE_C report the saturated certificate (A = inf, min = 1).
 
@@ -249,7 +285,9 @@ def forms_from_pmz(sums, cmax, e, n, d_head, dtype):
         rows = np.stack([1 + pz, m_eff / z_dn, tanh, (p_eff + m_eff) / (z_dn + p_eff), pz * (1 + 0.5 * pz)])
         a, mz, tanh, one_minus, e_form = _up(rows * (1 + 2.0 ** -46))
         neg_b = np.minimum(_up(mz - 1), 0.0)  # -B rounded up; B >= 0
-        tanh, one_minus = np.minimum(tanh, 1.0), np.minimum(one_minus, 1.0)  # both <= 1 exactly
+        r_w = weight_rounding(e, n, d_head)  # the served fp32 weights: TV(p, w) <= TV(p, p^) + r_w
+        tanh, one_minus, e_form = _up(tanh + r_w), _up(one_minus + r_w), _up(e_form + r_w)
+        tanh, one_minus = np.minimum(tanh, 1.0), np.minimum(one_minus, 1.0)  # TV <= 1
         if wild.any():  # saturated rows: A' = inf, B' = 0
             a, neg_b, one_minus, e_form = (np.where(wild, v, x) for v, x in ((np.inf, a), (0.0, neg_b), (1.0, one_minus), (np.inf, e_form)))
         lowest = np.clip(np.minimum(np.minimum(tanh, one_minus), e_form), 0.0, 1.0)  # TV lies in [0, 1]

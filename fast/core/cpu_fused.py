@@ -130,7 +130,7 @@ class _Args(ctypes.Structure):
 
 class _EpiConst(ctypes.Structure):
     _fields_ = [(n, ctypes.c_double) for n in ("f", "g1", "g2", "up_", "g_n", "u", "eps2", "u3", "t_cut", "den", "alpha",
-                                                "exp_eps", "cap", "margin_max")]
+                                                "exp_eps", "cap", "margin_max", "w_abs")]
 
 
 _LIB = {}
@@ -286,7 +286,8 @@ def _epi_const(NB, N, D):
     """The scalar constants of _sums_to_pmz and forms_from_pmz (fp32 terms), as those evaluate them."""
     u, eps = U32, EXP32_EPS
     return _EpiConst(1 + 2 * NB * U32, 2 * gamma(N + 1), 2 * gamma(N + 2), 1 + 2.0 ** -40, gamma(N), u, 2 * eps, 3 * u,
-                     T_CUT[torch.float32], (D + 4) * U32, N * 8 * TINY[torch.float32] * math.exp(CMAX32), EXP_EPS, CMAX32, 2e-3)
+                     T_CUT[torch.float32], (D + 4) * U32, N * 8 * TINY[torch.float32] * math.exp(CMAX32), EXP_EPS, CMAX32, 2e-3,
+                     N * TINY[torch.float32])
 
 
 def _certificate(stats, NB, N, D):

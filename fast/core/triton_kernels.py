@@ -10,7 +10,8 @@ casts to fp32 run in torch on the kernel's fp64 outputs.
 On CPU the kernels run under TRITON_INTERPRET=1 (tests/test_triton.py). The interpreter has
 no libdevice, so fp64 exp goes through tl.exp there; on a GPU the constexpr LIBDEVICE
 selects libdevice's exp (__nv_exp, within 1 ulp, inside the 2 ulp of EXP_EPS): Triton's
-own tl.exp is an approximation (ex2.approx) whose error is not bounded by EXP_EPS.
+own tl.exp is an approximation (ex2.approx) whose error is not bounded by EXP_EPS; the fp32 weights
+the attention kernel serves use libdevice's expf on a GPU for the same reason (fast.core.certify.weight_rounding).
 """
 
 import os
@@ -20,7 +21,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from fast.core.certify import EXP_EPS, SATURATE_C, U64, band_norms_up, forms_with_margin, gamma, logit_rounding, to_fp32, up32, up64
+from fast.core.certify import EXP_EPS, SATURATE_C, U64, band_norms_up, forms_with_margin, gamma, logit_rounding, to_fp32, up32, up64, weight_rounding, with_weight_rounding
 from fast.core.quant import QTensor, check_dither_counters, dequantize, max_abs
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -29,6 +30,16 @@ MODES = {"float": 0, "int8": 1, "int8_dither": 2}
 
 @triton.jit
 def _exp64(x, LIBDEVICE: tl.constexpr):
+    if LIBDEVICE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def _exp32(x, LIBDEVICE: tl.constexpr):
+    """The served weights' fp32 exp: libdevice's expf on a GPU (within 2 ulp, inside EXP32_EPS), not
+    tl.exp's ex2.approx of x log2(e); the interpreter's tl.exp (numpy) elsewhere."""
     if LIBDEVICE:
         return libdevice.exp(x)
     else:
@@ -240,8 +251,8 @@ def _decode_attention_kernel(
         x = tl.where(live, x, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(x, axis=0))
         m_safe = tl.where(m_new > -float("inf"), m_new, 0.0)  # -inf only while every token so far is padding
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.where(live, tl.exp(x - m_safe), 0.0)
+        alpha = _exp32(m_i - m_safe, LIBDEVICE)
+        p = tl.where(live, _exp32(x - m_safe, LIBDEVICE), 0.0)
         v = _load_cache(v_ptr, vs_ptr, b, kvh, offs_n, offs_d, nmask, stride_vb, stride_vh, stride_vn,
                         stride_vsb, stride_vsh, stride_vsn, v_seed_lo, v_seed_hi, v_stream, v_layer, v_start, V_MODE, V_GROUP)
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
@@ -333,7 +344,11 @@ def decode_attention(q, k, v, rho, s, bands, valid, exact, certify=True):
         raise ValueError("v: NaN/Inf in the value cache")
     if not certify:
         return out, None
-    return out, to_fp32(certificate_from_sums(sums, N, BLOCK_N))
+    # the served weights are the kernel's fp32 p_j = exp(x_j - m) times its rescales alpha (fast.core.certify.weight_rounding)
+    blocks = -(-N // BLOCK_N)
+    r_w = weight_rounding(e.cpu().numpy(), N, D, drift=sums[..., 4].cpu().numpy() * (1 + 2.0 ** -40), rescales=blocks)
+    cert = with_weight_rounding(certificate_from_sums(sums, N, BLOCK_N), torch.from_numpy(r_w).to(q.device))
+    return out, to_fp32(cert)
 
 
 def certificate_from_sums(sums, N, BLOCK_N):

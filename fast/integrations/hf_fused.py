@@ -127,9 +127,13 @@ class FusedLayer(CertifiedLayer):
 
 
 class FusedCertifiedCache(CertifiedCache):
-    """CertifiedCache whose reads go through fast.core.cpu_fused (same arguments)."""
+    """CertifiedCache whose reads go through fast.core.cpu_fused (same arguments, except value_bound=True:
+    ValueError, the fused read reports no output bound)."""
 
     def __init__(self, config, scheme="int8", **kwargs):
+        if kwargs.get("value_bound"):
+            raise ValueError("FusedCertifiedCache: value_bound=True is not supported (the fused read computes "
+                             "no output bound out_err); use CertifiedCache(..., value_bound=True)")
         super().__init__(config, scheme, **kwargs)
         self.layers = [FusedLayer(self, i) for i in range(self.num_layers)]
         self._pending = []  # per step: (layer, T, q64, stats, kmax, N) awaiting the batched epilogue

@@ -15,7 +15,8 @@ plain sdpa. Which reads are certified:
   (call, layer) in cache.row_records with "pos" [T] (the rows' positions) and [B, T, H] tensors.
 Per read, per (layer, query head): the deterministic certificate (all forms, math.md T2 + T4),
 the dither tier (T6) for int8_dither, the gate, with value_bound=True the output bound out_err
-(T5), and in shadow mode the true TV (and true_out_err = ||o - out|| from the exact keys and values).
+(T5, covering the cast to a bf16 / fp16 model's dtype), and in shadow mode the true TV (and
+true_out_err = ||o - out|| from the exact keys and values, out as the model gets it).
 """
 
 import threading
@@ -23,7 +24,8 @@ import threading
 import torch
 from transformers import AttentionInterface
 
-from fast.core.attention import attention_rows, decode_attention
+from fast.core.attention import attention_rows, decode_attention, served_distance
+from fast.core.certify import up32
 from fast.core.dither import budget_local, dither_forms
 from fast.core.quant import max_abs
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -145,8 +147,9 @@ def decode_step(layer, query, key, value, scale, mask=None):
     rec = {"step": t, "layer": layer.layer_idx, "pre_min": pre, "repaired": layer.repaired.clone(),
            "fresh_repairs": len(fresh), "max_c": cert["max_c"].float()}
     rec.update({f: cert[f].float() for f in FORMS})
+    served = out.to(query.dtype)  # what the model gets (bf16 / fp16 models: the cast is served)
     if "out_err" in cert:
-        rec["out_err"] = cert["out_err"]
+        rec["out_err"] = served_out_err(cert["out_err"], out, served)
     if cache.scheme.dither or cache.shadow:
         p_tilde = served_probs(q, key, scale, layer.valid)
     if cache.scheme.dither:
@@ -157,9 +160,18 @@ def decode_step(layer, query, key, value, scale, mask=None):
         p = served_probs(q, layer.exact_k, scale, layer.valid)
         rec["true_tv"] = (0.5 * (p - p_tilde).abs().sum(-1)).float()
         if "out_err" in cert:
-            rec["true_out_err"] = (exact_output(p, layer.exact_v, Hkv) - out.double()).norm(dim=-1).float()
+            rec["true_out_err"] = (exact_output(p, layer.exact_v, Hkv) - served.double()).norm(dim=-1).float()
     cache.records.append(rec)
-    return out[:, None].to(query.dtype), None  # [B, 1, H, D], as sdpa returns it
+    return served[:, None], None  # [B, 1, H, D], as sdpa returns it
+
+
+def served_out_err(out_err, out, served):
+    """out_err of the output the model gets: the fp32 output's bound plus ||served - out|| (0 when the
+    model is fp32; the bf16 / fp16 cast otherwise), rounded up (fast.core.attention.served_distance).
+    out, served: [..., H, D]; out_err: [..., H]."""
+    if served.dtype == out.dtype:
+        return out_err
+    return up32(out_err.to(torch.float64) + served_distance(out, served).to(torch.float64))
 
 
 def row_probs(q, k, scale, mask):
@@ -208,8 +220,9 @@ def rows_step(layer, query, key, value, scale, mask=None):
            "steps": (t0 + 1, t0 + T), "pre_min": pre, "repaired": layer.repaired.clone(),
            "fresh_repairs": len(fresh), "max_c": cert["max_c"].float()}
     rec.update({f: cert[f].float() for f in FORMS})
+    served_out = out.to(query.dtype)  # what the model gets (bf16 / fp16 models: the cast is served)
     if "out_err" in cert:
-        rec["out_err"] = cert["out_err"]
+        rec["out_err"] = served_out_err(cert["out_err"], out, served_out)
     if cache.scheme.dither or cache.shadow:
         G = H // Hkv
         vis = torch.arange(N, device=q.device)[None, :] <= q_pos[0][:, None]  # [T, N]
@@ -226,10 +239,10 @@ def rows_step(layer, query, key, value, scale, mask=None):
         rec["true_tv"] = unflat((0.5 * (p - p_tilde).abs().sum(-1)).float())
         if "out_err" in cert:
             o = exact_output(p, layer.exact_v, Hkv)
-            served = out.permute(0, 2, 1, 3).reshape(B, H * T, D).double()
+            served = served_out.permute(0, 2, 1, 3).reshape(B, H * T, D).double()
             rec["true_out_err"] = unflat((o - served).norm(dim=-1).float())
     cache.row_records.append(rec)
-    return out.to(query.dtype), None  # [B, T, H, D], as sdpa returns it
+    return served_out, None  # [B, T, H, D], as sdpa returns it
 
 
 def prefill_step(layer, module, query, key, value, mask, scale, **kwargs):

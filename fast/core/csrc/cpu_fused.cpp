@@ -759,7 +759,7 @@ inline double nmin(double a, double b) { return (std::isnan(a) || std::isnan(b))
 inline double nmax(double a, double b) { return (std::isnan(a) || std::isnan(b)) ? NAN : (a > b ? a : b); }
 
 struct EpiConst {
-    double f, g1, g2, up_, g_n, u, eps2, u3, t_cut, den, alpha, exp_eps, cap, margin_max;
+    double f, g1, g2, up_, g_n, u, eps2, u3, t_cut, den, alpha, exp_eps, cap, margin_max, w_abs;
 };
 
 // stats [rows, 5] (Z, S1, S2, max c^, e); out [7, rows] fp32 (CERT_KEYS order). Returns 0 when a row needs
@@ -803,9 +803,13 @@ int epilogue(const double* st, int64_t rows, const EpiConst& k, float* out) {
         const double th = em_c / (em_c + 2);
         const double sc = 1 + 0x1p-46;
         const double a = up((1 + pz) * sc), mz = up((m_eff / z_dn) * sc), tanh_ = up(th * sc);
-        const double om = up(((p_eff + m_eff) / (z_dn + p_eff)) * sc), ef = up((pz * (1 + 0.5 * pz)) * sc);
+        const double om = up(((p_eff + m_eff) / (z_dn + p_eff)) * sc), ef0 = up((pz * (1 + 0.5 * pz)) * sc);
         const double neg_b = nmin(up(mz - 1), 0.0);
-        const double t1 = nmin(tanh_, 1.0), o1 = nmin(om, 1.0);
+        // certify.weight_rounding: the served fp32 weights' TV to softmax(x^), added to every TV form
+        const double tw = nmin(up((2 * e) / k.den), k.t_cut);
+        const double theta = up(k.u * tw + k.eps2);
+        const double rw = up(up(std::expm1(theta) * (1 + k.exp_eps)) + k.w_abs);
+        const double t1 = nmin(up(tanh_ + rw), 1.0), o1 = nmin(up(om + rw), 1.0), ef = up(ef0 + rw);
         const double low = nmin(nmax(nmin(nmin(t1, o1), ef), 0.0), 1.0);
         const double vals[7] = {a, neg_b, cm2, t1, o1, ef, low};
         for (int c = 0; c < 7; ++c) {
