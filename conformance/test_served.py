@@ -168,3 +168,25 @@ def test_out_quotient_bound_holds(S, W, dS, dW, E, g, tiny):
         V = abs(S) / W
         true = abs(round_nearest(Sh / Wh, "fp32") - S / W)
         assert true <= ref_value.out_quotient_bound(E, V, W, g, mpf(2) ** -24, mpf(2) ** -150)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(2, 40), seed=st.integers(0, 2 ** 31 - 1), c=st.floats(0.0, 0.5), e=st.floats(1e-7, 0.2))
+def test_other_logits_certificate_covers_their_weights(n, seed, c, e):
+    """property (the twin certifies after the fact a read whose kernel output was served): forms of one
+    evaluation x^ (|x^ - x~| <= e) plus with_other_logits cover TV(p, softmax(x')) for ANY other x' with
+    |x' - x~| <= e, here chosen adversarially (x' at the far end of e from x^, against the exact shift).
+    Truth in fp64 from the exact logits x = x~ + eps, |eps| <= c."""
+    from fast.core.certify import tv_bound_forms, with_other_logits
+    g = torch.Generator().manual_seed(seed)
+    xt = torch.randn(1, 1, n, dtype=torch.float64, generator=g) * 3            # x~: the exact logits of the stored keys
+    sign = torch.where(torch.rand(1, 1, n, generator=g) < 0.5, -1.0, 1.0).double()
+    x = xt + c * sign                                                        # exact keys' logits
+    x_hat = xt + e * sign                                                    # the twin's evaluation
+    x_other = xt - e * sign                                                  # the served one, 2e away from x^
+    cert = tv_bound_forms(torch.softmax(x_hat, -1), torch.full_like(xt, c + e))   # >= TV(p, softmax(x^)) (T2)
+    shifted = with_other_logits(cert, torch.full((1, 1), e, dtype=torch.float64))
+    truth = 0.5 * (torch.softmax(x, -1) - torch.softmax(x_other, -1)).abs().sum(-1)
+    for key in ("tanh", "one_minus_b_over_a", "e_form", "min"):
+        assert float(truth) <= float(shifted[key]) + 1e-12, (key, float(truth), float(shifted[key]))
+    assert float(shifted["min"]) >= float(cert["min"])

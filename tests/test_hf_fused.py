@@ -98,3 +98,27 @@ def test_block_flush_keeps_the_window_exact():
     for layer in cache.layers:
         assert 8 <= layer.k_tail.shape[2] < 8 + hf_fused.FLUSH_BLOCK
         assert layer.n == 70 + 40
+
+
+def test_refused_epilogue_rows_are_certified_for_the_kernel_output(monkeypatch):
+    """Rows the fp32 epilogue refuses (a large witness) get the twin's certificate, but the kernel's
+    output was already served: each form is the twin's plus tanh(e) (fast.core.certify.with_other_logits,
+    e the logit rounding bound), never the twin's alone."""
+    from fast.core import cpu_fused
+    from fast.core.certify import logit_rounding, tanh_half_up
+    from fast.core.quant import max_abs
+    seen = []
+    twin = hf_fused.twin_rows
+
+    def spy(q, k, *a, **kw):  # the twin's own certificate, and the e of its rows
+        out, c = twin(q, k, *a, **kw)
+        e = logit_rounding(q.abs().amax(1), max_abs(k), a[2])
+        seen.append((c["min"].double(), tanh_half_up(2 * e)))
+        return out, c
+    monkeypatch.setattr(hf_fused, "twin_rows", spy)
+    monkeypatch.setattr(cpu_fused, "_certificate", lambda *a, **kw: None)  # every row refused
+    _, cache = _run(hf_fused.FusedCertifiedCache, hf_fused.NAME, tiny_ids(B=2, N=60), 3, window=8, sinks=4)
+    assert len(cache.records) == len(seen) == 3 * 2
+    for rec, (tmin, t) in zip(cache.records, seen):
+        assert bool((t > 0).all())
+        assert bool((rec["min"].double() >= torch.clamp(tmin[:, -1] + t, max=1.0)).all())

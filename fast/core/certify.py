@@ -214,6 +214,26 @@ def with_weight_rounding(forms, r_w):
     return out
 
 
+def with_other_logits(cert, e):
+    """cert: the fp32 TV forms [..., H] of one fp32 evaluation x^ of a read's logits (its weights
+    w^ served: each form >= TV(p, w^ / sum w^)); e: [B, H] fp64 >= |x^_j - x~_j| for x^ and for
+    another evaluation x' of the same logits whose weights w' were served instead (the fused kernel's
+    output, certified after the fact by the twin). Adds tanh(e) to every TV form:
+    TV(p, w') <= TV(p, softmax(x^)) + TV(softmax(x^), softmax(x')) + TV(softmax(x'), w' / sum w')
+    (proofs/Served.v tv_triangle), the middle term <= tanh(4e / 4) (T1: x' - x^ in [-2e, 2e]) and
+    the last one the r_w the forms already carry (the same weight_rounding bound covers both
+    evaluations: it depends on e, n and D only)."""
+    t = tanh_half_up(2 * torch.as_tensor(e, dtype=torch.float64))  # tanh(e), rounded up
+    out = dict(cert)
+    for key in FORMS:
+        x = cert[key].double()
+        tt = t.view(t.shape[0], *([1] * (x.dim() - 2)), t.shape[1]).to(x.device)
+        out[key] = up32(up64(x + tt))
+        if key != "e_form":
+            out[key] = torch.clamp(out[key], max=1.0)
+    return out
+
+
 def forms_from_pmz(sums, cmax, e, n, d_head, dtype):
     """The decode certificate (fast.core.attention) from the weighted sums of one step.
 

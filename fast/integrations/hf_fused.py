@@ -28,7 +28,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from fast.core import cpu_fused
 from fast.core.attention import attention_rows as twin_rows
-from fast.core.certify import FORMS
+from fast.core.certify import FORMS, logit_rounding, with_other_logits
+from fast.core.quant import max_abs
 from fast.integrations import hf_meter
 from fast.integrations.hf_cache import CertifiedCache, CertifiedLayer
 
@@ -205,9 +206,11 @@ def _twin_cert(layer, q, N):
     B, T = q.shape[:2]
     qpos = torch.arange(N - T, N).view(1, T).expand(B, T)
     valid = layer.valid.all(1)
-    _, c = twin_rows(q, k, v, rho, _scale(layer.cache), bands=layer.cache.bands, q_pos=qpos, valid=valid,
+    s = _scale(layer.cache)
+    _, c = twin_rows(q, k, v, rho, s, bands=layer.cache.bands, q_pos=qpos, valid=valid,
                      exact=exact, backend="torch")
-    return c
+    # the kernel's output was served, not the twin's: its logits differ by up to 2e (with_other_logits)
+    return with_other_logits(c, logit_rounding(q.abs().amax(1), max_abs(k), s))
 
 
 def _record(layer, last, rows_min, T):

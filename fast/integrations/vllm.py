@@ -53,6 +53,7 @@ import torch
 
 from fast.core import cpu_fused
 from fast.core.attention import attention_rows  # the torch twin: where the fused read does not apply
+from fast.core.certify import logit_rounding, with_other_logits
 from fast.core.quant import dequantize, quantize
 from fast.core.rope import rope_bands
 from fast.core.witness import witness
@@ -289,14 +290,17 @@ def _backend_classes():
                 self._seg_none = cpu_fused.seg(self.num_kv_heads, 0)
             return self._seg_none
 
-        def _twin(self, q, kv_cache, table, N, pos):
-            """(out, None, cert) by the torch twin over the gathered blocks."""
+        def _twin(self, q, kv_cache, table, N, pos, served_by_kernel=False):
+            """(out, None, cert) by the torch twin over the gathered blocks. served_by_kernel: the fused
+            read's output was served, not this one: the certificate covers its logits too (with_other_logits)."""
             kt, vv = self._views(kv_cache)
             blocks = table[0, :(N + kt.shape[3] - 1) // kt.shape[3]].long()
             k = kt[blocks].permute(1, 0, 3, 2).reshape(self.num_kv_heads, -1, self.head_size)[:, :N]  # [Hkv, N, D] as stored
             v, rho = self._gather(vv, blocks, N), self._gather(self.rho, blocks, N)
             out, cert = attention_rows(q[None], k[None], v[None], rho[None], self.scale, bands=self.band_idx, q_pos=pos[None],
                                        backend="torch")
+            if served_by_kernel:  # q: [T, H, D] -> e [1, H] over the rows
+                cert = with_other_logits(cert, logit_rounding(q.abs().amax(0)[None], k[None].abs().amax(2).double(), self.scale))
             return out, None, cert
 
         def _gather(self, t, blocks, N):
@@ -427,8 +431,8 @@ def _finish(entries):
             cert = e["cert"]
             if cert is None:
                 cert = cpu_fused._certificate(e["stats"], e["impl"]._bands64.shape[0], e["N"], e["impl"].head_size)
-            if cert is None:
-                cert = e["impl"]._twin(e["q"], e["kv"], e["table"], e["N"], e["pos"])[2]
+            if cert is None:  # the kernel's output was served: the twin's certificate + its logits' distance
+                cert = e["impl"]._twin(e["q"], e["kv"], e["table"], e["N"], e["pos"], served_by_kernel=True)[2]
             e["bound"] = cert["min"][0]
         e["impl"]._finish_one(e, e["bound"])
 
