@@ -120,3 +120,15 @@ def test_dither_tier_is_an_estimate_and_never_gates(model):
     assert "dither_estimate_median" in s and not any(k.startswith("dither_") and "estimate" not in k for k in s)
     text = trace.format_summary(s).lower()
     assert "dither tier: an estimate, not a certificate" in text
+
+
+@pytest.mark.parametrize("offload", ["residual", "full"])
+def test_repaired_heads_take_their_certificate_as_dither_estimate(model, offload):
+    """Issue 19: a repaired head no longer serves dithered keys (residual: k_hat + the int8 residual;
+    full: the exact copy), so the dither radius says nothing about it: its dither_estimate is its
+    deterministic certificate (before, the dither radius of the codes it no longer served)."""
+    cache = CertifiedCache(model.config, "int8_dither", gate="certified:0", sinks=0, window=0, offload=offload, seed=3)
+    gen(model, tiny_ids(1, 64, seed=10), cache, n=4)
+    assert all(bool(r["repaired"].all()) for r in cache.records)  # TAU = 0: every head from the first read on
+    for r in cache.records:
+        assert torch.equal(r["dither_estimate"], r["min"]), (r["step"], r["layer"])

@@ -107,6 +107,14 @@ def _slot(bound, Hkv):
     return bound.view(B, Hkv, H // Hkv).amax(dim=(0, 2))
 
 
+def _repaired_take_cert(estimate, cert_min, repaired):
+    """[..., H] dither estimate with the deterministic certificate in place of it on the query heads of
+    repaired KV heads (repaired [Hkv]): those serve the exact copy or k_hat + the int8 residual, not
+    the dithered codes the dither radius is about."""
+    rep = repaired.repeat_interleave(estimate.shape[-1] // repaired.shape[0])
+    return torch.where(rep, cert_min, estimate)
+
+
 def _plain(q, k, v, scale, valid):
     """Attention without a certificate (fp32, GQA, padding masked): the speed baseline."""
     B, H, D = q.shape
@@ -153,7 +161,8 @@ def decode_step(layer, query, key, value, scale, mask=None):
         d = budget_local(cache.delta_req, cache.num_layers, cache.num_heads, t)
         # fp64 p~ as computed, with the fp32 logit rounding of the served attention (fast.core.dither.dither_forms);
         # an estimate: this query depends on the dither read before (A2), and the gate above never reads it
-        rec["dither_estimate"] = dither_forms(q, p_tilde, layer.step_view(), max_abs(key), scale, key.shape[2], d)["min"]
+        est = dither_forms(q, p_tilde, layer.step_view(), max_abs(key), scale, key.shape[2], d)["min"]
+        rec["dither_estimate"] = _repaired_take_cert(est, rec["min"], layer.repaired)
     if cache.shadow:
         p = served_probs(q, layer.exact_k, scale, layer.valid)
         rec["true_tv"] = (0.5 * (p - p_tilde).abs().sum(-1)).float()
@@ -221,7 +230,8 @@ def rows_step(layer, query, key, value, scale, mask=None):
     if cache.scheme.dither:
         # the smallest local budget of the T reads (t0 + T) for every row: each row spends at most its own
         d = budget_local(cache.delta_req, cache.num_layers, cache.num_heads, t0 + T)
-        rec["dither_estimate"] = unflat(dither_forms(qf, p_tilde, layer.step_view(), max_abs(key), scale, N, d)["min"])
+        est = unflat(dither_forms(qf, p_tilde, layer.step_view(), max_abs(key), scale, N, d)["min"])
+        rec["dither_estimate"] = _repaired_take_cert(est, rec["min"], layer.repaired)
     if cache.shadow:
         p = row_probs(qf, layer.exact_k, scale, m)
         rec["true_tv"] = unflat((0.5 * (p - p_tilde).abs().sum(-1)).float())
