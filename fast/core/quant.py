@@ -5,10 +5,10 @@ floating-point quantizer WITHOUT clipping, and QTensor.step() returns a per-elem
 delta with |x - dequantize(qt)| <= delta / 2 exactly (the codec's own fp32 rounding
 included): the zero-memory witness of math.md T4 is built from it.
 
-Dither (math.md T6): u in (-1/2, 1/2) is regenerated from a counter-based hash of
-(seed, stream, layer, batch row, head, token, channel) in integer arithmetic (int64 holding
-uint32 words, every product < 2^63), so the Triton kernel and torch produce bit-identical
-dither. Each request draws a fresh 64-bit seed from the OS unless one is given; every batch row
+Dither (math.md T6): u in (-1/2, 1/2) is regenerated from a keyed counter-based PRF,
+Philox4x32-10 (128-bit counter, 64-bit key: the seed), of (seed, stream, layer, batch row, head,
+token, channel) in integer arithmetic (int64 holding uint32 words, every product < 2^63), so the
+Triton kernel and torch produce bit-identical dither. Each request draws a fresh 64-bit seed from the OS unless one is given; every batch row
 and the key and value streams have their own counters; counters are range-checked (seed < 2^64,
 token < 2^63 enter as two words each), never reduced modulo 2^32.
 u has 16 bits: u = (2 i + 1 - 2^16) / 2^17, symmetric about 0, so that m - u is exact in
@@ -41,16 +41,31 @@ RTZ = {"fp8_e4m3_rtz": (torch.float8_e4m3fn, 448.0, 2.0 ** -3, 2.0 ** -9),
 # 1 + 2^-10 >= 1 + 766 u, and delta (11 bits) times it (11 bits) is exact in fp32.
 STEP_MARGIN = 1.0 + 2.0 ** -10
 MASK = 0xFFFFFFFF
-M1, M2 = 0x7FEB352D, 0x2C1B3C6D  # odd multipliers < 2^31: x * M < 2^63 for x < 2^32
+# Philox4x32-10 (Salmon, Moraes, Dror, Shaw, SC 2011; Random123): multipliers and Weyl key increments.
+PHILOX_M = (0xD2511F53, 0xCD9E8D57)
+PHILOX_W = (0x9E3779B9, 0xBB67AE85)
 
 
-def _mix(x):
-    """32-bit integer mixer on int64 tensors holding values in [0, 2^32)."""
-    x = x ^ (x >> 16)
-    x = (x * M1) & MASK
-    x = x ^ (x >> 15)
-    x = (x * M2) & MASK
-    return x ^ (x >> 16)
+def _mulhilo(a, m):
+    """(hi, lo) 32-bit words of a * m for int64 a in [0, 2^32) and a constant m < 2^32, without any
+    product reaching 2^63 (m split in 16-bit halves), so torch and Triton compute the same bits."""
+    m_hi, m_lo = m >> 16, m & 0xFFFF
+    t = a * m_lo  # < 2^48
+    u = a * m_hi  # < 2^48
+    return (u + (t >> 16)) >> 16, (((u & 0xFFFF) << 16) + t) & MASK
+
+
+def philox4x32_10(c0, c1, c2, c3, k0, k1):
+    """Philox4x32-10 of the counter (c0, c1, c2, c3) under the key (k0, k1): four uint32 words (as
+    int64 tensors, broadcast). Counter and key words are < 2^32 (tensors or Python ints)."""
+    c0, c1, c2, c3 = (torch.as_tensor(c, dtype=torch.int64) for c in (c0, c1, c2, c3))
+    for r in range(10):
+        if r:
+            k0, k1 = (k0 + PHILOX_W[0]) & MASK, (k1 + PHILOX_W[1]) & MASK
+        hi0, lo0 = _mulhilo(c0, PHILOX_M[0])
+        hi1, lo1 = _mulhilo(c2, PHILOX_M[1])
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return c0, c1, c2, c3
 
 
 U32_COUNT = 2 ** 32   # layer, row, head, channel: each one 32-bit word of the hash
@@ -86,15 +101,16 @@ def check_dither_counters(seed, layer, stream, rows, Hkv, token_start, N, D):
 
 
 def dither_hash(seed, stream, layer, row, head, token, channel):
-    """uint32 hash (as int64) of the counters, each word < 2^32 (seed < 2^64 and token < 2^63 enter
-    as two words, low then high); arguments broadcast (Python ints or int64 tensors). Words are
-    mixed in this order: seed lo, seed hi, stream, layer, row, head, token lo, token hi, channel."""
+    """uint32 word (as int64) of the dither of one coordinate: Philox4x32-10 in two stages. A key
+    per (seed, layer, row, head, stream): the first two words of Philox(counter (layer, row, head,
+    stream), key (seed lo, seed hi)); then word 0 of Philox(counter (token lo, token hi, channel, 0),
+    that key). Every counter is < 2^32 per word (seed < 2^64, token < 2^63 as two words); arguments
+    broadcast (Python ints or int64 tensors). The Triton twin (fast.core.triton_kernels._dither)
+    computes the same words in the same order."""
     seed = int(seed)
     token = torch.as_tensor(token, dtype=torch.int64)
-    h = _mix(torch.as_tensor(seed & MASK, dtype=torch.int64))
-    for v in (seed >> 32, stream, layer, row, head, token & MASK, token >> 32, channel):
-        h = _mix(h ^ torch.as_tensor(v, dtype=torch.int64))
-    return h
+    k0, k1, _, _ = philox4x32_10(layer, row, head, stream, seed & MASK, seed >> 32)
+    return philox4x32_10(token & MASK, token >> 32, channel, 0, k0, k1)[0]
 
 
 def dither_noise(seed, layer, Hkv, token_start, N, D, device="cpu", *, rows=1, stream=0):
