@@ -109,3 +109,17 @@ def test_philox_known_answers():
     for ctr, key, want in kat:
         got = philox4x32_10(*(torch.tensor(c, dtype=torch.int64) for c in ctr), *key)
         assert tuple(int(w) for w in got) == want, (ctr, key)
+
+
+@pytest.mark.parametrize("seed,layer,start,Hkv,N,D,rows,stream", [
+    (0, 0, 0, 1, 5, 32, 1, 0), (2**64 - 1, 2**32 - 1, 2**63 - 20, 2, 7, 12, 2, 1), (5, 3, 2**33, 1, 3, 9, 1, 1)])
+def test_dither_noise_is_the_element_definition(seed, layer, start, Hkv, N, D, rows, stream):
+    """dither_noise (8 channels per Philox call, D not a multiple of 8 included) equals dither_hash
+    evaluated element by element."""
+    from fast.core.quant import dither_hash
+    row = torch.arange(rows).view(rows, 1, 1, 1)
+    head = torch.arange(Hkv).view(1, Hkv, 1, 1)
+    token = torch.arange(start, start + N).view(1, 1, N, 1)
+    i = dither_hash(seed, stream, layer, row, head, token, torch.arange(D).view(1, 1, 1, D))
+    want = (2 * i + 1 - 65536).to(torch.float32) * 2.0 ** -17
+    assert torch.equal(dither_noise(seed, layer, Hkv, start, N, D, rows=rows, stream=stream), want)

@@ -100,29 +100,45 @@ def check_dither_counters(seed, layer, stream, rows, Hkv, token_start, N, D):
     check_counter("token_start + N", token_start + N, TOKEN_COUNT)
 
 
-def dither_hash(seed, stream, layer, row, head, token, channel):
-    """uint32 word (as int64) of the dither of one coordinate: Philox4x32-10 in two stages. A key
-    per (seed, layer, row, head, stream): the first two words of Philox(counter (layer, row, head,
-    stream), key (seed lo, seed hi)); then word 0 of Philox(counter (token lo, token hi, channel, 0),
-    that key). Every counter is < 2^32 per word (seed < 2^64, token < 2^63 as two words); arguments
-    broadcast (Python ints or int64 tensors). The Triton twin (fast.core.triton_kernels._dither)
-    computes the same words in the same order."""
+def _block_words(seed, stream, layer, row, head, token, block):
+    """The four uint32 words (int64) of Philox4x32-10 for one block of 8 channels, in two stages:
+    a key per (seed, layer, row, head, stream), the first two words of Philox(counter (layer, row,
+    head, stream), key (seed lo, seed hi)); then Philox(counter (token lo, token hi, block, 0), that
+    key). Every counter word is < 2^32 (seed < 2^64, token < 2^63 as two words); arguments
+    broadcast (Python ints or int64 tensors)."""
     seed = int(seed)
     token = torch.as_tensor(token, dtype=torch.int64)
     k0, k1, _, _ = philox4x32_10(layer, row, head, stream, seed & MASK, seed >> 32)
-    return philox4x32_10(token & MASK, token >> 32, channel, 0, k0, k1)[0]
+    return philox4x32_10(token & MASK, token >> 32, block, 0, k0, k1)
+
+
+def dither_hash(seed, stream, layer, row, head, token, channel):
+    """The 16-bit dither index i in [0, 2^16) of one coordinate (the definition, element by element):
+    channel c takes half (c & 1) (0: the high 16 bits, 1: the low) of word (c & 7) >> 1 of its
+    block c >> 3 (_block_words). dither_noise computes the same bits 8 channels per Philox call; the
+    Triton twin (fast.core.triton_kernels._dither) per element."""
+    channel = torch.as_tensor(channel, dtype=torch.int64)
+    words = torch.stack(torch.broadcast_tensors(*_block_words(seed, stream, layer, row, head, token, channel >> 3)), -1)
+    j = ((channel & 7) >> 1).expand(words.shape[:-1])
+    w = words.gather(-1, j.unsqueeze(-1)).squeeze(-1)
+    return torch.where((channel & 1) == 0, w >> 16, w & 0xFFFF)
 
 
 def dither_noise(seed, layer, Hkv, token_start, N, D, device="cpu", *, rows=1, stream=0):
     """u [rows, Hkv, N, D] fp32 in (-1/2, 1/2): the dither of batch rows 0..rows-1, heads 0..Hkv-1,
     tokens token_start.., channels 0..D-1 of one stream (0 keys, 1 values). Out-of-range counters
-    raise ValueError (seed < 2^64, layer < 2^32, token_start + N < 2^63)."""
+    raise ValueError (seed < 2^64, layer < 2^32, token_start + N < 2^63). u = (2 i + 1 - 2^16) / 2^17
+    with i = dither_hash(...), one Philox call per 8 channels."""
     check_dither_counters(seed, layer, stream, rows, Hkv, token_start, N, D)
     row = torch.arange(rows, device=device).view(rows, 1, 1, 1)
     head = torch.arange(Hkv, device=device).view(1, Hkv, 1, 1)
     token = torch.arange(token_start, token_start + N, device=device).view(1, 1, N, 1)
-    channel = torch.arange(D, device=device).view(1, 1, 1, D)
-    i = dither_hash(seed, stream, layer, row, head, token, channel) >> 16  # [0, 2^16)
+    nb = (D + 7) // 8
+    block = torch.arange(nb, device=device).view(1, 1, 1, nb)
+    halves = []
+    for w in _block_words(seed, stream, layer, row, head, token, block):
+        halves += [w >> 16, w & 0xFFFF]
+    i = torch.stack(halves, -1).reshape(rows, Hkv, N, 8 * nb)[..., :D]  # channel 8 b + 2 k + h
     return (2 * i + 1 - 65536).to(torch.float32) * 2.0 ** -17  # exact: an integer < 2^17 times a power of 2
 
 

@@ -60,7 +60,7 @@ def _philox(c0, c1, c2, c3, k0, k1):
 @triton.jit
 def _dither(seed_lo, seed_hi, stream, layer, row, head, token, channel):
     """u in (-1/2, 1/2), bit-identical to fast.core.quant.dither_noise (fast.core.quant.dither_hash:
-    Philox4x32-10 in two stages, the same words in the same order). Every word is < 2^32
+    Philox4x32-10 in two stages, 8 channels a call, the same words in the same order). Every word is < 2^32
     (range-checked on the host); token (int64, < 2^63) enters as two words.
     token: [BLOCK_N, 1], channel: [1, D]."""
     token = token.to(tl.int64)
@@ -69,8 +69,11 @@ def _dither(seed_lo, seed_hi, stream, layer, row, head, token, channel):
                            head.to(tl.int64) & 0xFFFFFFFF, stream.to(tl.int64) & 0xFFFFFFFF,
                            seed_lo.to(tl.int64) & 0xFFFFFFFF, seed_hi.to(tl.int64) & 0xFFFFFFFF)
     full = (token * 0 + channel * 0).to(tl.int64)  # [BLOCK_N, D] zeros: every counter word at the block's shape
-    h, _, _, _ = _philox((token & 0xFFFFFFFF) + full, (token >> 32) + full, channel.to(tl.int64) + full, full, k0, k1)
-    i = h >> 16
+    c = channel.to(tl.int64) + full
+    w0, w1, w2, w3 = _philox((token & 0xFFFFFFFF) + full, (token >> 32) + full, c >> 3, full, k0, k1)
+    j = (c & 7) >> 1  # channel c: half (c & 1) of word (c & 7) >> 1 of its block of 8 channels
+    w = tl.where(j == 0, w0, tl.where(j == 1, w1, tl.where(j == 2, w2, w3)))
+    i = tl.where((c & 1) == 0, w >> 16, w & 0xFFFF)
     return (2 * i + 1 - 65536).to(tl.float32) * 0.00000762939453125  # 2^-17: exact
 
 
