@@ -160,3 +160,24 @@ def test_grid_radius_adds_the_bias():
     base = dither_radius(q, delta, s, 16, 1e-3)
     bias = mpf(s) * sum(abs(mpf(a) * mpf(b)) for a, b in zip(q, delta)) * (mpf(2) ** -17 + mpf(2) ** -18)
     assert abs(got - base - bias) <= mpf(10) ** -40
+
+
+def test_quantizer_rest_within_rho():
+    """property (A6, the rho of T6i): what the code's int8_dither round trip adds to the grid error
+    e = (m - u) - fl32(x / sc), i.e. (x~ - x) - sc e, is within (2^-17 + 2^-18) sc per coordinate
+    (fl32(x / sc) within 2^-18, fl32((m - u) sc) within 127.5 u sc), computed exactly; and it does
+    exceed 2^-18 sc, the room the former GRID_BIAS = 2^-16 left beside the grid mean 2^-17 + 2^-18."""
+    import fast
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, 64, 64, generator=g) * 3
+    qt = fast.quantize(x, "int8_dither", group_size=32, seed=5)
+    u = fast.dither_noise(5, 0, 2, 0, 64, 64)
+    sc = qt.scales.float().repeat_interleave(32, -1)
+    worst = Fraction(0)
+    for v, s, m, uu, xh in zip(x.flatten().tolist(), sc.flatten().tolist(), qt.codes.flatten().tolist(),
+                               u.flatten().tolist(), fast.dequantize(qt).flatten().tolist()):
+        X, S = Fraction(v), Fraction(s)
+        e = (m - Fraction(uu)) - _fl32(X / S)
+        worst = max(worst, abs((Fraction(xh) - X) - S * e) / S)
+    assert worst <= Fraction(1, 2 ** 17) + Fraction(1, 2 ** 18), float(worst * 2 ** 18)
+    assert worst > Fraction(1, 2 ** 18), float(worst * 2 ** 18)

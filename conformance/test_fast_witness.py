@@ -114,3 +114,16 @@ def test_packed_witness_ge_rho(seed, mag):
     floor = fast.unpack_witness(torch.tensor([1], dtype=torch.uint8))
     assert bool((back <= torch.maximum(rho * 2 ** (1 / 8) * (1 + 1e-6), floor)).all()), (seed, mag)
     assert bool((back[rho == 0] == 0).all())
+
+
+def test_log_table_is_strictly_increasing():
+    """A5d: pack_witness takes the first table entry >= rho (searchsorted), sound only on a sorted
+    table; the table the library and the kernels decode is strictly increasing, code 0 is 0 and
+    every code i >= 1 holds at least 2^((i - 160)/8) (the value it stands for)."""
+    from fractions import Fraction
+    from fast.core.witness import LOG_STEPS, LOG_ZERO, _log_table
+    t = _log_table("cpu")
+    assert float(t[0]) == 0.0 and bool((t[1:] > t[:-1]).all())
+    for i in range(1, 256):  # 2^(k/8) >= v  <=>  2^k >= v^8, in exact rationals
+        v = Fraction(float(t[i]))
+        assert Fraction(2) ** (i - LOG_ZERO) <= v ** LOG_STEPS, i

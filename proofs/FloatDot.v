@@ -459,8 +459,9 @@ Qed.
 (** T8e: the fp32 logit x^ = fl(fl(q . k~) * s32) of fast.core.attention, s32 = fl32(s):
     for D = n terms with 200 D u <= 1 (D <= 83886),
     |x^ - s <q, k~>| <= (D + 4) u 1.01 s sum |q_i k~_i| + (2.02 D s + 1) 2^-150.
-    The relative part is the code's e = (D + 4) u32 1.01 s sum |q_i| kmax_i; the absolute
-    part (products below the normal range) is NOT in e. *)
+    The code's e (fast.core.certify.logit_rounding) is the whole right-hand side: the relative
+    part as (D + 4) u32 1.01 s sum |q_i| kmax_i, the absolute part (products below the normal
+    range) as (2.03 D s + 1) 2^-150. *)
 Theorem logit_rounding_le_code_f32 choice q k t s s32 :
   200 * (INR (dterms t) * u32) <= 1 -> 0 <= s -> Rabs (s32 - s) <= u32 * s ->
   Rabs (rn32 choice (dcomp32 choice q k t * s32) - s * dexact q k t)
@@ -535,7 +536,8 @@ Qed.
 
 (** T8e, int8 path with one scale per token (k~ = m sc exactly, fast.core.attention applies
     the scale to the dot product): x^ = fl(fl(fl(q . m) * sc) * s32). The relative part stays
-    inside the code's (D + 4) u 1.01; the absolute part is (2.02 D s sc + 1.01 s + 1) 2^-150. *)
+    inside the code's (D + 4) u 1.01; the absolute part is (2.02 D s sc + 1.01 s + 1) 2^-150,
+    which fast.core.attention covers by adding (2.03 D s sc_max + 1.02 s) 2^-150 to e. *)
 Theorem logit_rounding_le_code_f32_scaled choice q m t sc s s32 :
   200 * (INR (dterms t) * u32) <= 1 -> 0 <= sc -> 0 <= s -> Rabs (s32 - s) <= u32 * s ->
   Rabs (rn32 choice (rn32 choice (dcomp32 choice q m t * sc) * s32) - s * (sc * dexact q m t))

@@ -230,8 +230,9 @@ Proof.
   intros j Hj. apply abs_le_between. apply Hc. exact Hj.
 Qed.
 
-(** T1d: the bound [tanh(c/2)] of T1c cannot be improved: two tokens whose logits move by
-    [+c] and [-c] reach it exactly. *)
+(** T1d: the bound [tanh(c/2)] of T1c cannot be improved: two tokens whose served logits
+    differ by [c] ([xt 1 = xt 0 + c]) and whose exact logits move by [+c] and [-c] reach it
+    exactly (this configuration; other two-point shifts by [+-c] stay below it). *)
 Theorem tv_eq_tanh_of_two_point x xt c :
   0 <= c -> xt 1%nat = xt 0%nat + c -> x 0%nat = xt 0%nat + c -> x 1%nat = xt 1%nat - c ->
   tv 2 (softmax 2 x) (softmax 2 xt) = tanh (c / 2).

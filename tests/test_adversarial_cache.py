@@ -8,8 +8,8 @@ misbehave (write into their input or its buffer, edit their output later).
 Invariant, against an independent truth: the test keeps its own exact copy of every key it wrote
 (never read back from the cache) and, for every certified read, TV(softmax over the exact keys,
 softmax over the keys the cache served) <= the certified bound (fp64 softmaxes, the same visible
-tokens); every read of the cache produces a certificate. The dither tier is probabilistic and is
-not asserted here (tests/test_cache.py and benchmarks/soundness.py check it).
+tokens); every read of the cache produces a certificate. The dither tier (an estimate in decoding,
+spec A2) is not asserted here (tests/test_cache.py and benchmarks/soundness.py measure it).
 Bounded: small shapes, max_examples and step counts sized for < 2 min on 2 shared cores.
 """
 

@@ -297,6 +297,27 @@ def test_out_written_whole_or_not_at_all(tmp_path, prompt, capsys, fake_pipeline
     assert len(calls) == 3
 
 
+def test_report_labels_the_dither_tier_an_estimate(tmp_path, capsys):
+    """Issue 19 (A2): kvcert report shows the dither tier as an estimate, not a certificate, for new
+    traces (dither_estimate) and for traces written before (dither_min: read as the same estimate)."""
+    import numpy as np
+    from fast.tools import trace as T
+    tr = fake_trace()
+    tr.arrays["dither_estimate"] = tr.arrays["min"] * 0.5
+    for name, key in (("new", "dither_estimate"), ("old", "dither_min")):
+        d = tmp_path / name
+        T.save(tr, d)
+        if key == "dither_min":
+            with np.load(d / "trace.npz") as z:
+                a = dict(z)
+            a["dither_min"] = a.pop("dither_estimate")
+            np.savez(d / "trace.npz", **a)
+        assert main(["report", str(d)]) == 0
+        out = capsys.readouterr().out.lower()
+        assert "dither tier: an estimate, not a certificate" in out, (name, out)
+        assert "dither_estimate_median" in T.summary(T.load(d))
+
+
 def test_report_refuses_broken_traces(tmp_path, capsys):
     """property: kvcert report on a truncated or non-npz trace.npz, a trace.json that is [] or
     not JSON, arrays of the wrong shape or dtype, NaN bounds, or a missing file: one line, exit 2,

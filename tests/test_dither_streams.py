@@ -87,3 +87,39 @@ def test_cache_refuses_out_of_range_seed():
     for bad in (2 ** 64, -1, 1.5, "7"):
         with pytest.raises(ValueError):
             CertifiedCache(config, "int8_dither", seed=bad)
+
+
+def test_no_token_gets_a_channel_permuted_copy_of_another():
+    """Issue 19 (A1): with the former generator (one 32-bit mixer state per token, then channel
+    mixed in), two tokens whose states differed in the low 6 bits got the same 64 dither values in
+    permuted channels (~8 such pairs among 2^15 tokens, by the birthday bound on the other 26 bits).
+    Philox4x32-10 draws every channel from a 128-bit counter under a 64-bit key: none here."""
+    u = dither_noise(seed=1, layer=0, Hkv=1, token_start=0, N=2 ** 15, D=64)[0, 0]
+    multisets = {tuple(row) for row in torch.sort(u, dim=-1).values.tolist()}
+    assert len(multisets) == u.shape[0]
+
+
+def test_philox_known_answers():
+    """fast.core.quant.philox4x32_10 is Philox4x32-10: Random123's published known-answer vectors."""
+    from fast.core.quant import philox4x32_10
+    kat = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+           ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+           ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+            (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+    for ctr, key, want in kat:
+        got = philox4x32_10(*(torch.tensor(c, dtype=torch.int64) for c in ctr), *key)
+        assert tuple(int(w) for w in got) == want, (ctr, key)
+
+
+@pytest.mark.parametrize("seed,layer,start,Hkv,N,D,rows,stream", [
+    (0, 0, 0, 1, 5, 32, 1, 0), (2**64 - 1, 2**32 - 1, 2**63 - 20, 2, 7, 12, 2, 1), (5, 3, 2**33, 1, 3, 9, 1, 1)])
+def test_dither_noise_is_the_element_definition(seed, layer, start, Hkv, N, D, rows, stream):
+    """dither_noise (8 channels per Philox call, D not a multiple of 8 included) equals dither_hash
+    evaluated element by element."""
+    from fast.core.quant import dither_hash
+    row = torch.arange(rows).view(rows, 1, 1, 1)
+    head = torch.arange(Hkv).view(1, Hkv, 1, 1)
+    token = torch.arange(start, start + N).view(1, 1, N, 1)
+    i = dither_hash(seed, stream, layer, row, head, token, torch.arange(D).view(1, 1, 1, D))
+    want = (2 * i + 1 - 65536).to(torch.float32) * 2.0 ** -17
+    assert torch.equal(dither_noise(seed, layer, Hkv, start, N, D, rows=rows, stream=stream), want)

@@ -92,3 +92,43 @@ def test_residual_offload_beats_a_full_copy(model):
     assert float(bound.max()) < 0.2 * float(pre[:2].max())  # the residual tier is far tighter than int4
     m_res, m_full = res.memory(), full.memory()
     assert m_res["offload_bytes"] < 0.6 * m_full["fp16_bytes"] < m_full["offload_bytes"]
+
+
+def test_dither_tier_is_an_estimate_and_never_gates(model):
+    """Issue 19 (A2): in decoding the dither tier is an estimate, not a certificate (the queries
+    depend on the dither read before). Records and traces name it `dither_estimate`, the summary
+    says so, and certified:TAU repairs exactly the slots whose DETERMINISTIC bound exceeded TAU:
+    slots whose dither estimate was below TAU are repaired all the same."""
+    from fast.tools import trace
+    ids = tiny_ids(1, 64, seed=9)
+    free = CertifiedCache(model.config, "int8_dither", sinks=0, window=0, seed=3)
+    gen(model, ids, free, n=4)
+    assert all("dither_estimate" in r and "dither_min" not in r for r in free.records)
+    det, est = stacked(free, "min"), stacked(free, "dither_estimate")
+    tau = float(det[0].median())  # the first step (gen's tokens do not depend on the gate before it)
+    cache = CertifiedCache(model.config, "int8_dither", gate=f"certified:{tau}", sinks=0, window=0, seed=3)
+    gen(model, ids, cache, n=4)
+    first = [r for r in cache.records if r["step"] == 1]
+    only_estimate_below = 0
+    for r in first:
+        pre = r["pre_min"].view(1, 2, 2).amax(dim=(0, 2))
+        estimate = r["dither_estimate"].view(1, 2, 2).amax(dim=(0, 2))
+        assert torch.equal(r["repaired"], pre > tau)  # the deterministic tier alone decides
+        only_estimate_below += int(((estimate <= tau) & (pre > tau)).sum())
+    assert only_estimate_below > 0, "no slot where the estimate alone would have kept the codes: the test is vacuous"
+    s = trace.summary(trace.from_cache(cache))
+    assert "dither_estimate_median" in s and not any(k.startswith("dither_") and "estimate" not in k for k in s)
+    text = trace.format_summary(s).lower()
+    assert "dither tier: an estimate, not a certificate" in text
+
+
+@pytest.mark.parametrize("offload", ["residual", "full"])
+def test_repaired_heads_take_their_certificate_as_dither_estimate(model, offload):
+    """Issue 19: a repaired head no longer serves dithered keys (residual: k_hat + the int8 residual;
+    full: the exact copy), so the dither radius says nothing about it: its dither_estimate is its
+    deterministic certificate (before, the dither radius of the codes it no longer served)."""
+    cache = CertifiedCache(model.config, "int8_dither", gate="certified:0", sinks=0, window=0, offload=offload, seed=3)
+    gen(model, tiny_ids(1, 64, seed=10), cache, n=4)
+    assert all(bool(r["repaired"].all()) for r in cache.records)  # TAU = 0: every head from the first read on
+    for r in cache.records:
+        assert torch.equal(r["dither_estimate"], r["min"]), (r["step"], r["layer"])

@@ -1,7 +1,9 @@
 """Probabilistic tier for the dithered int8 cache (math.md T6), batched twins of reference.dither.
 
-Caveat (spec A2): the radius holds for queries that do not depend on the dither
-(non-adaptive); the deterministic witness tier (T4) has no such caveat.
+Caveat (spec A2): the radius is proved for queries and keys that do not depend on the dither
+(non-adaptive). In decoding they do (the tokens produced, and within a step the layers >= 1, read
+earlier dithered outputs), so the integrations report this tier as an estimate (`dither_estimate`),
+never a certificate, and no gate uses it; the deterministic witness tier (T4) has no such caveat.
 Floating point: fp64, inputs fp32/fp16/bf16 (squares exact, no underflow), margins as in
 fast.core.witness; results rounded UP to fp32 (radii) or DOWN (budgets).
 """
@@ -57,26 +59,33 @@ def radius_factor(n, d):
     return math.sqrt(2.0 * math.log(2.0 * n / d)) * (1 + 1e-14)
 
 
-GRID_BIAS = 2.0 ** -16  # per coordinate, in steps: the grid dither's mean (<= 2^-17 + 2^-18) + the quantizer's fp32 roundings
+# Per coordinate, in units of the scale sc <= delta (QTensor.step() = sc (1 + 2^-10)):
+GRID_MEAN = 2.0 ** -17 + 2.0 ** -18  # |E e| of the grid error (T6g: 1/(2N) + eta, N = 2^16, eta = 2^-18 for fl32(y + u), A6)
+QUANT_RHO = 2.0 ** -17 + 2.0 ** -18  # the rho of T6i: (x~ - x) - sc e, i.e. fl32(x / sc) within 2^-18 (|x / sc| < 128)
+                                     # and fl32((m - u) sc) within 127.5 u sc < 2^-17 sc (A6); tested exactly
+BIAS_RHO = GRID_MEAN + QUANT_RHO     # 3 2^-17, exact
 
 
 def _bias64(q, delta, s):
-    """[B, H, N] fp64 upper bounds of s sum_i |q_i| delta_{j,i} 2^-16: the D-term sum of nonnegative
-    products (gamma_D), the products and the two scalings (exact power of two, one rounding)."""
+    """[B, H, N] fp64 upper bounds of s sum_i |q_i| delta_{j,i} (GRID_MEAN + QUANT_RHO): the grid's bias
+    bound plus the rho of T6i. The D-term sum of nonnegative products (gamma_D), the products and the
+    two scalings (one rounding each)."""
     B, H, D = q.shape
     Hkv, N = delta.shape[1:3]
     qa = q.to(torch.float64).abs().view(B, Hkv, H // Hkv, D)
-    t = torch.matmul(qa, delta.to(torch.float64).transpose(-1, -2)) * (s * GRID_BIAS)
+    t = torch.matmul(qa, delta.to(torch.float64).transpose(-1, -2)) * (s * BIAS_RHO)
     return up64(t * (1 + 2 * gamma(D + 3))).reshape(B, H, N)
 
 
 def dither_radius(q, delta, scale, n, d):
-    """c [B, H, N] fp32 >= s sum_i |q_i| delta_{j,i} 2^-16 + sigma_j sqrt(2 ln(2n/d)) (T6c on the
-    code's grid): with probability >= 1 - d all n tokens of one read satisfy |eps_j| <= c_j
-    (non-adaptive queries, A1-A2). The first term: the dither is uniform on a 2^16-point grid, whose
-    error is NOT centred (mean up to 2^-17 + 2^-18 steps with the fp32 add; proofs/DitherGrid.v
-    token_failure_le, /work/notes/dither_proxy.md), plus the quantizer's own fp32 roundings; the
-    sub-Gaussian tail holds for the centred part (reference.dither.dither_radius_grid, eta = 2^-17)."""
+    """c [B, H, N] fp32 >= s sum_i |q_i| delta_{j,i} 3 2^-17 + sigma_j sqrt(2 ln(2n/d)) (T6i on the
+    code's grid): with probability >= 1 - d all n tokens of one read satisfy |eps_j| <= c_j, for a
+    query and keys fixed before the dither is drawn (A1, A2: in decoding, an estimate only).
+    The first term is T6i's bias plus its rho: the dither is uniform on a 2^16-point grid, whose
+    error is NOT centred (mean up to 2^-17 + 2^-18 steps with the fp32 add: proofs/DitherGrid.v
+    token_failure_le), and the quantizer's own fp32 roundings add up to 2^-17 + 2^-18 more per
+    coordinate (QUANT_RHO); the sub-Gaussian tail holds for the centred part
+    (reference.dither.dither_radius_grid with eta = 2^-18 and that rho)."""
     s = _check(q, delta, scale)
     f = radius_factor(n, d)
     if n < delta.shape[2]:

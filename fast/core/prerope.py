@@ -16,7 +16,7 @@ The witness (rho_b >= ||(k - k~)_b|| for every band b, a union of RoPE pairs), p
   scales the pair by sqrt(c'^2 + s'^2), and eta >= max over the table (all positions up to
   max_pos, all frequencies) of sqrt(c'^2 + s'^2) - 1, computed once in fp64 and rounded up).
   ||r_b|| is computed once, at write time, and holds at every position m <= max_pos.
-- the read-time rotation's rounding (proved margin, not assumption A4): each served coordinate is
+- the read-time rotation's rounding (a margin argued here by hand: spec A11; not A4): each served coordinate is
   fl(fl(x c') + fl(-y s')), within gamma_2 (|x c'| + |y s'|) of x c' - y s' (Higham 3.5, with or
   without FMA); (|x c'| + |y s'|)^2 <= (x^2 + y^2)(c'^2 + s'^2) (Cauchy-Schwarz), so the pair's
   error norm is <= sqrt(2) gamma_2 (1 + eta) ||(x, y)|| and the band's <= sqrt(2) gamma_2 (1 + eta)

@@ -5,10 +5,10 @@ floating-point quantizer WITHOUT clipping, and QTensor.step() returns a per-elem
 delta with |x - dequantize(qt)| <= delta / 2 exactly (the codec's own fp32 rounding
 included): the zero-memory witness of math.md T4 is built from it.
 
-Dither (math.md T6): u in (-1/2, 1/2) is regenerated from a counter-based hash of
-(seed, stream, layer, batch row, head, token, channel) in integer arithmetic (int64 holding
-uint32 words, every product < 2^63), so the Triton kernel and torch produce bit-identical
-dither. Each request draws a fresh 64-bit seed from the OS unless one is given; every batch row
+Dither (math.md T6): u in (-1/2, 1/2) is regenerated from a keyed counter-based PRF,
+Philox4x32-10 (128-bit counter, 64-bit key: the seed), of (seed, stream, layer, batch row, head,
+token, channel) in integer arithmetic (int64 holding uint32 words, every product < 2^63), so the
+Triton kernel and torch produce bit-identical dither. Each request draws a fresh 64-bit seed from the OS unless one is given; every batch row
 and the key and value streams have their own counters; counters are range-checked (seed < 2^64,
 token < 2^63 enter as two words each), never reduced modulo 2^32.
 u has 16 bits: u = (2 i + 1 - 2^16) / 2^17, symmetric about 0, so that m - u is exact in
@@ -41,16 +41,31 @@ RTZ = {"fp8_e4m3_rtz": (torch.float8_e4m3fn, 448.0, 2.0 ** -3, 2.0 ** -9),
 # 1 + 2^-10 >= 1 + 766 u, and delta (11 bits) times it (11 bits) is exact in fp32.
 STEP_MARGIN = 1.0 + 2.0 ** -10
 MASK = 0xFFFFFFFF
-M1, M2 = 0x7FEB352D, 0x2C1B3C6D  # odd multipliers < 2^31: x * M < 2^63 for x < 2^32
+# Philox4x32-10 (Salmon, Moraes, Dror, Shaw, SC 2011; Random123): multipliers and Weyl key increments.
+PHILOX_M = (0xD2511F53, 0xCD9E8D57)
+PHILOX_W = (0x9E3779B9, 0xBB67AE85)
 
 
-def _mix(x):
-    """32-bit integer mixer on int64 tensors holding values in [0, 2^32)."""
-    x = x ^ (x >> 16)
-    x = (x * M1) & MASK
-    x = x ^ (x >> 15)
-    x = (x * M2) & MASK
-    return x ^ (x >> 16)
+def _mulhilo(a, m):
+    """(hi, lo) 32-bit words of a * m for int64 a in [0, 2^32) and a constant m < 2^32, without any
+    product reaching 2^63 (m split in 16-bit halves), so torch and Triton compute the same bits."""
+    m_hi, m_lo = m >> 16, m & 0xFFFF
+    t = a * m_lo  # < 2^48
+    u = a * m_hi  # < 2^48
+    return (u + (t >> 16)) >> 16, (((u & 0xFFFF) << 16) + t) & MASK
+
+
+def philox4x32_10(c0, c1, c2, c3, k0, k1):
+    """Philox4x32-10 of the counter (c0, c1, c2, c3) under the key (k0, k1): four uint32 words (as
+    int64 tensors, broadcast). Counter and key words are < 2^32 (tensors or Python ints)."""
+    c0, c1, c2, c3 = (torch.as_tensor(c, dtype=torch.int64) for c in (c0, c1, c2, c3))
+    for r in range(10):
+        if r:
+            k0, k1 = (k0 + PHILOX_W[0]) & MASK, (k1 + PHILOX_W[1]) & MASK
+        hi0, lo0 = _mulhilo(c0, PHILOX_M[0])
+        hi1, lo1 = _mulhilo(c2, PHILOX_M[1])
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return c0, c1, c2, c3
 
 
 U32_COUNT = 2 ** 32   # layer, row, head, channel: each one 32-bit word of the hash
@@ -85,28 +100,45 @@ def check_dither_counters(seed, layer, stream, rows, Hkv, token_start, N, D):
     check_counter("token_start + N", token_start + N, TOKEN_COUNT)
 
 
-def dither_hash(seed, stream, layer, row, head, token, channel):
-    """uint32 hash (as int64) of the counters, each word < 2^32 (seed < 2^64 and token < 2^63 enter
-    as two words, low then high); arguments broadcast (Python ints or int64 tensors). Words are
-    mixed in this order: seed lo, seed hi, stream, layer, row, head, token lo, token hi, channel."""
+def _block_words(seed, stream, layer, row, head, token, block):
+    """The four uint32 words (int64) of Philox4x32-10 for one block of 8 channels, in two stages:
+    a key per (seed, layer, row, head, stream), the first two words of Philox(counter (layer, row,
+    head, stream), key (seed lo, seed hi)); then Philox(counter (token lo, token hi, block, 0), that
+    key). Every counter word is < 2^32 (seed < 2^64, token < 2^63 as two words); arguments
+    broadcast (Python ints or int64 tensors)."""
     seed = int(seed)
     token = torch.as_tensor(token, dtype=torch.int64)
-    h = _mix(torch.as_tensor(seed & MASK, dtype=torch.int64))
-    for v in (seed >> 32, stream, layer, row, head, token & MASK, token >> 32, channel):
-        h = _mix(h ^ torch.as_tensor(v, dtype=torch.int64))
-    return h
+    k0, k1, _, _ = philox4x32_10(layer, row, head, stream, seed & MASK, seed >> 32)
+    return philox4x32_10(token & MASK, token >> 32, block, 0, k0, k1)
+
+
+def dither_hash(seed, stream, layer, row, head, token, channel):
+    """The 16-bit dither index i in [0, 2^16) of one coordinate (the definition, element by element):
+    channel c takes half (c & 1) (0: the high 16 bits, 1: the low) of word (c & 7) >> 1 of its
+    block c >> 3 (_block_words). dither_noise computes the same bits 8 channels per Philox call; the
+    Triton twin (fast.core.triton_kernels._dither) per element."""
+    channel = torch.as_tensor(channel, dtype=torch.int64)
+    words = torch.stack(torch.broadcast_tensors(*_block_words(seed, stream, layer, row, head, token, channel >> 3)), -1)
+    j = ((channel & 7) >> 1).expand(words.shape[:-1])
+    w = words.gather(-1, j.unsqueeze(-1)).squeeze(-1)
+    return torch.where((channel & 1) == 0, w >> 16, w & 0xFFFF)
 
 
 def dither_noise(seed, layer, Hkv, token_start, N, D, device="cpu", *, rows=1, stream=0):
     """u [rows, Hkv, N, D] fp32 in (-1/2, 1/2): the dither of batch rows 0..rows-1, heads 0..Hkv-1,
     tokens token_start.., channels 0..D-1 of one stream (0 keys, 1 values). Out-of-range counters
-    raise ValueError (seed < 2^64, layer < 2^32, token_start + N < 2^63)."""
+    raise ValueError (seed < 2^64, layer < 2^32, token_start + N < 2^63). u = (2 i + 1 - 2^16) / 2^17
+    with i = dither_hash(...), one Philox call per 8 channels."""
     check_dither_counters(seed, layer, stream, rows, Hkv, token_start, N, D)
     row = torch.arange(rows, device=device).view(rows, 1, 1, 1)
     head = torch.arange(Hkv, device=device).view(1, Hkv, 1, 1)
     token = torch.arange(token_start, token_start + N, device=device).view(1, 1, N, 1)
-    channel = torch.arange(D, device=device).view(1, 1, 1, D)
-    i = dither_hash(seed, stream, layer, row, head, token, channel) >> 16  # [0, 2^16)
+    nb = (D + 7) // 8
+    block = torch.arange(nb, device=device).view(1, 1, 1, nb)
+    halves = []
+    for w in _block_words(seed, stream, layer, row, head, token, block):
+        halves += [w >> 16, w & 0xFFFF]
+    i = torch.stack(halves, -1).reshape(rows, Hkv, N, 8 * nb)[..., :D]  # channel 8 b + 2 k + h
     return (2 * i + 1 - 65536).to(torch.float32) * 2.0 ** -17  # exact: an integer < 2^17 times a power of 2
 
 

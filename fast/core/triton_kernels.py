@@ -47,32 +47,44 @@ def _exp32(x, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
-def _mix(x):
-    """fast.core.quant._mix on int64 values in [0, 2^32): every product stays below 2^63."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & 0xFFFFFFFF
-    x = x ^ (x >> 15)
-    x = (x * 0x2C1B3C6D) & 0xFFFFFFFF
-    return x ^ (x >> 16)
+def _mulhilo(a, m_hi, m_lo):
+    """fast.core.quant._mulhilo: (hi, lo) words of a * m, a in [0, 2^32), m = m_hi 2^16 + m_lo;
+    every product < 2^48."""
+    t = a * m_lo
+    u = a * m_hi
+    return (u + (t >> 16)) >> 16, (((u & 0xFFFF) << 16) + t) & 0xFFFFFFFF
+
+
+@triton.jit
+def _philox(c0, c1, c2, c3, k0, k1):
+    """fast.core.quant.philox4x32_10 on int64 words < 2^32 (the same operations in the same order)."""
+    for r in tl.static_range(10):
+        if r > 0:
+            k0 = (k0 + 0x9E3779B9) & 0xFFFFFFFF
+            k1 = (k1 + 0xBB67AE85) & 0xFFFFFFFF
+        hi0, lo0 = _mulhilo(c0, 0xD251, 0x1F53)  # 0xD2511F53
+        hi1, lo1 = _mulhilo(c2, 0xCD9E, 0x8D57)  # 0xCD9E8D57
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return c0, c1, c2, c3
 
 
 @triton.jit
 def _dither(seed_lo, seed_hi, stream, layer, row, head, token, channel):
-    """u in (-1/2, 1/2), bit-identical to fast.core.quant.dither_noise (same words, same order).
-    Every word is < 2^32 (range-checked on the host); token (int64, < 2^63) enters as two words.
+    """u in (-1/2, 1/2), bit-identical to fast.core.quant.dither_noise (fast.core.quant.dither_hash:
+    Philox4x32-10 in two stages, 8 channels a call, the same words in the same order). Every word is < 2^32
+    (range-checked on the host); token (int64, < 2^63) enters as two words.
     token: [BLOCK_N, 1], channel: [1, D]."""
     token = token.to(tl.int64)
     # & 0xFFFFFFFF: a word in [2^31, 2^32) may arrive as a 32-bit argument that .to(int64) sign-extends
-    h = _mix(seed_lo.to(tl.int64) & 0xFFFFFFFF)
-    h = _mix(h ^ (seed_hi.to(tl.int64) & 0xFFFFFFFF))
-    h = _mix(h ^ (stream.to(tl.int64) & 0xFFFFFFFF))
-    h = _mix(h ^ (layer.to(tl.int64) & 0xFFFFFFFF))
-    h = _mix(h ^ (row.to(tl.int64) & 0xFFFFFFFF))
-    h = _mix(h ^ (head.to(tl.int64) & 0xFFFFFFFF))
-    h = _mix(h ^ (token & 0xFFFFFFFF))
-    h = _mix(h ^ (token >> 32))
-    h = _mix(h ^ channel.to(tl.int64))
-    i = h >> 16
+    k0, k1, _, _ = _philox(layer.to(tl.int64) & 0xFFFFFFFF, row.to(tl.int64) & 0xFFFFFFFF,
+                           head.to(tl.int64) & 0xFFFFFFFF, stream.to(tl.int64) & 0xFFFFFFFF,
+                           seed_lo.to(tl.int64) & 0xFFFFFFFF, seed_hi.to(tl.int64) & 0xFFFFFFFF)
+    full = (token * 0 + channel * 0).to(tl.int64)  # [BLOCK_N, D] zeros: every counter word at the block's shape
+    c = channel.to(tl.int64) + full
+    w0, w1, w2, w3 = _philox((token & 0xFFFFFFFF) + full, (token >> 32) + full, c >> 3, full, k0, k1)
+    j = (c & 7) >> 1  # channel c: half (c & 1) of word (c & 7) >> 1 of its block of 8 channels
+    w = tl.where(j == 0, w0, tl.where(j == 1, w1, tl.where(j == 2, w2, w3)))
+    i = tl.where((c & 1) == 0, w >> 16, w & 0xFFFF)
     return (2 * i + 1 - 65536).to(tl.float32) * 0.00000762939453125  # 2^-17: exact
 
 

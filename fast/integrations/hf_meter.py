@@ -14,9 +14,17 @@ plain sdpa. Which reads are certified:
   attention_rows with causal positions, one certificate per (row, query head), one record per
   (call, layer) in cache.row_records with "pos" [T] (the rows' positions) and [B, T, H] tensors.
 Per read, per (layer, query head): the deterministic certificate (all forms, math.md T2 + T4),
-the dither tier (T6) for int8_dither, the gate, with value_bound=True the output bound out_err
-(T5, covering the cast to a bf16 / fp16 model's dtype), and in shadow mode the true TV (and
-true_out_err = ||o - out|| from the exact keys and values, out as the model gets it).
+for int8_dither the dither tier's number as `dither_estimate`, the gate, with value_bound=True the
+output bound out_err (T5, covering the cast to a bf16 / fp16 model's dtype), and in shadow mode the
+true TV (and true_out_err = ||o - out|| from the exact keys and values, out as the model gets it).
+
+The dither tier is an ESTIMATE here, never a certificate (spec A2): T6i-T6j are proved for a query
+and keys fixed before the dither is drawn. Within a step, the query of layer l >= 1 is computed from
+the outputs of layers < l, which read dithered keys and values; from the second decode step on every
+query (and the keys of generated tokens) depends on tokens produced from dithered reads; a multi-row
+read's layers >= 1 likewise. Only a layer-0 read of tokens all fixed by the caller (not produced
+from a dithered read) meets A2, and the cache cannot tell where its tokens came from. So the gates
+(certified:TAU, risk:K) use the deterministic tier alone.
 """
 
 import threading
@@ -109,6 +117,14 @@ def _slot(bound, Hkv):
     return bound.view(B, Hkv, H // Hkv).amax(dim=(0, 2))
 
 
+def _repaired_take_cert(estimate, cert_min, repaired):
+    """[..., H] dither estimate with the deterministic certificate in place of it on the query heads of
+    repaired KV heads (repaired [Hkv]): those serve the exact copy or k_hat + the int8 residual, not
+    the dithered codes the dither radius is about."""
+    rep = repaired.repeat_interleave(estimate.shape[-1] // repaired.shape[0])
+    return torch.where(rep, cert_min, estimate)
+
+
 def _plain(q, k, v, scale, valid):
     """Attention without a certificate (fp32, GQA, padding masked): the speed baseline."""
     B, H, D = q.shape
@@ -154,8 +170,10 @@ def decode_step(layer, query, key, value, scale, mask=None):
         p_tilde = served_probs(q, key, scale, layer.valid)
     if cache.scheme.dither:
         d = budget_local(cache.delta_req, cache.num_layers, cache.num_heads, t)
-        # fp64 p~ as computed, with the fp32 logit rounding of the served attention (fast.core.dither.dither_forms)
-        rec["dither_min"] = dither_forms(q, p_tilde, layer.step_view(), max_abs(key), scale, key.shape[2], d)["min"]
+        # fp64 p~ as computed, with the fp32 logit rounding of the served attention (fast.core.dither.dither_forms);
+        # an estimate: this query depends on the dither read before (A2), and the gate above never reads it
+        est = dither_forms(q, p_tilde, layer.step_view(), max_abs(key), scale, key.shape[2], d)["min"]
+        rec["dither_estimate"] = _repaired_take_cert(est, rec["min"], layer.repaired)
     if cache.shadow:
         p = served_probs(q, layer.exact_k, scale, layer.valid)
         rec["true_tv"] = (0.5 * (p - p_tilde).abs().sum(-1)).float()
@@ -233,7 +251,8 @@ def rows_step(layer, query, key, value, scale, mask=None):
     if cache.scheme.dither:
         # the smallest local budget of the T reads (t0 + T) for every row: each row spends at most its own
         d = budget_local(cache.delta_req, cache.num_layers, cache.num_heads, t0 + T)
-        rec["dither_min"] = unflat(dither_forms(qf, p_tilde, layer.step_view(), max_abs(key), scale, N, d)["min"])
+        est = unflat(dither_forms(qf, p_tilde, layer.step_view(), max_abs(key), scale, N, d)["min"])
+        rec["dither_estimate"] = _repaired_take_cert(est, rec["min"], layer.repaired)
     if cache.shadow:
         p = row_probs(qf, layer.exact_k, scale, m)
         rec["true_tv"] = unflat((0.5 * (p - p_tilde).abs().sum(-1)).float())

@@ -436,7 +436,7 @@ def parser():
         p.add_argument("--window", type=integer, default=32, help="newest tokens kept exact")
         p.add_argument("--seed", type=integer, default=None,
                        help="dither seed, for a reproducible run (default: the cache's own choice)")
-        p.add_argument("--delta-req", type=real, default=1e-3, help="failure budget of the dither tier")
+        p.add_argument("--delta-req", type=real, default=1e-3, help="failure budget of the dither tier (int8_dither; its number is an estimate in decoding, not a certificate: spec A2)")
         p.add_argument("--offload", choices=("full", "residual"), default="full",
                        help="exact tier for repairs: a full copy, or the int8 residual k - k_hat with its witness")
         p.add_argument("--witness", choices=("stored", "derived"), default="stored",

@@ -7,7 +7,8 @@
 
 Arrays, T decode steps x L layers x B rows x H query heads:
 min (the reported bound), tanh, one_minus_b_over_a, e_form, max_c, pre_min (before a repair),
-optional dither_min (probabilistic tier, int8_dither) and true_tv (shadow mode);
+optional dither_estimate (int8_dither: the dither tier's number, an estimate and not a certificate in
+decoding, spec A2; traces written before issue 19 call it dither_min) and true_tv (shadow mode);
 repaired [T, L, Hkv] (the KV heads served from the offload tier at that step).
 With eviction (math.md T7), same layout: evict_bound (TV(p, p^K) <= U/(L+U), the kept keys'
 quantization error included), evict_log_odds, optional evict_true (the true evicted mass,
@@ -28,10 +29,10 @@ from pathlib import Path
 import numpy as np
 
 COVER = 0.2  # coverage: share of checks with bound <= COVER
-KEYS = ("min", "tanh", "one_minus_b_over_a", "e_form", "max_c", "pre_min", "dither_min", "true_tv", "repaired")
+KEYS = ("min", "tanh", "one_minus_b_over_a", "e_form", "max_c", "pre_min", "dither_estimate", "true_tv", "repaired")
 EVICT_KEYS = {"bound": "evict_bound", "log_odds": "evict_log_odds", "true": "evict_true"}
 STEP_KEYS = tuple(k for k in KEYS if k != "repaired") + tuple(EVICT_KEYS.values()) + ("composed",)  # [T, L, B, H]
-TV_KEYS = ("min", "pre_min", "dither_min", "true_tv", "evict_bound", "evict_true", "composed")  # bounds / distances >= 0
+TV_KEYS = ("min", "pre_min", "dither_estimate", "true_tv", "evict_bound", "evict_true", "composed")  # bounds / distances >= 0
 
 
 class TraceError(ValueError):
@@ -120,16 +121,17 @@ def summary(tr, cover=COVER):
         b = a["min"]
         out.update(steps=int(b.shape[0]), checks=int(b.size), coverage=float((b <= cover).mean()) if b.size else None,
                    worst_bound=float(b.max()) if b.size else None, median_bound=float(np.median(b)) if b.size else None)
-    if "dither_min" in a and a["dither_min"].size:
-        d = a["dither_min"]
-        out.update(dither_coverage=float((d <= cover).mean()), dither_worst=float(d.max()), dither_median=float(np.median(d)))
+    if "dither_estimate" in a and a["dither_estimate"].size:
+        d = a["dither_estimate"]
+        out.update(dither_estimate_coverage=float((d <= cover).mean()), dither_estimate_worst=float(d.max()),
+                   dither_estimate_median=float(np.median(d)))
     if "repaired" in a and a["repaired"].size:
         out["repaired_slots"] = int(a["repaired"][-1].sum())
     out["repairs"] = m.get("fresh_repairs", 0)
     if "true_tv" in a and a["true_tv"].size:
         out.update(shadow_stats(a["true_tv"], a["min"], "det"))
-        if "dither_min" in a:
-            out.update(shadow_stats(a["true_tv"], a["dither_min"], "dither"))
+        if "dither_estimate" in a:
+            out.update(shadow_stats(a["true_tv"], a["dither_estimate"], "dither_estimate"))
     mem = m.get("memory") or {}
     out.update({k: mem[k] for k in ("device_bytes_per_token", "fp16_bytes_per_token", "offload_bytes_per_token",
                                     "device_bytes", "offload_bytes", "repair_traffic_bytes") if k in mem})
@@ -161,9 +163,10 @@ def format_summary(s):
     if s.get("checks"):
         lines.append(f"  coverage (bound <= {COVER}): {s['coverage']:.1%}   worst bound: {_fmt(s['worst_bound'])}   "
                      f"median: {_fmt(s['median_bound'])}")
-    if "dither_coverage" in s:
-        lines.append(f"  dither tier (non-adaptive queries, spec A2): coverage {s['dither_coverage']:.1%}   "
-                     f"worst {_fmt(s['dither_worst'])}   median {_fmt(s['dither_median'])}")
+    if "dither_estimate_coverage" in s:
+        lines.append(f"  dither tier: an ESTIMATE, not a certificate (proved only for queries fixed before the dither, "
+                     f"spec A2; decoding feeds it back; no gate uses it): coverage {s['dither_estimate_coverage']:.1%}   "
+                     f"worst {_fmt(s['dither_estimate_worst'])}   median {_fmt(s['dither_estimate_median'])}")
     lines.append(f"  repairs: {s.get('repairs', 0)} (layer, KV head) slots served exact: {s.get('repaired_slots', 0)}")
     if "device_bytes_per_token" in s:
         lines.append(f"  bytes/token: device {s['device_bytes_per_token']:.0f} vs fp16 {s['fp16_bytes_per_token']:.0f} "
@@ -240,6 +243,8 @@ def load(path):
             raise ValueError("a single .npy array, not an npz archive")
         with z:
             arrays = {k: np.asarray(z[k]) for k in z.files}
+        if "dither_min" in arrays and "dither_estimate" not in arrays:  # written before issue 19: the same number
+            arrays["dither_estimate"] = arrays.pop("dither_min")
     except Exception as e:  # noqa: BLE001 - np.load raises many types on corrupt input (BadZipFile, zlib.error, EOFError...)
         raise TraceError(f"{npz}: not a readable npz archive ({type(e).__name__}: {e})") from None
     try:
