@@ -45,8 +45,8 @@ def build(case):
     of its page's box that query head 0 of its KV head favours (the box bound is then attained)."""
     D, Hkv, H, P = case["D"], case["Hkv"], case["H"], case["page_size"]
     keys = torch.tensor(case["keys"], dtype=torch.float32)[None]
-    if case["fmt"] == "fp16":                                               # representable: the corner is exact
-        keys = keys.half().float()
+    if case["fmt"] == "fp16" and case["aim"] == "corner":                   # representable: the corner is exact
+        keys = keys.half().float()                                          # (random: fp32 keys, rounded outward)
     q = case["gain"] * torch.tensor(case["q"], dtype=torch.float32)[None]   # [1, H, D]
     N, nk = keys.shape[2], case["n_kept"]
     if case["aim"] == "corner":
@@ -82,6 +82,18 @@ def check_fast_ge_reference(case):
             for c in range(case["D"]):                                      # the stored box holds the exact one
                 expect(mpf(w.lo[0, g, p, c].item()) <= lo[c] and hi[c] <= mpf(w.hi[0, g, p, c].item()),
                        check_fast_ge_reference, case, f"page {p} channel {c}: stored box does not contain the keys")
+    if case["hierarchy"] is not None:                                       # super-page boxes hold their keys
+        S = case["hierarchy"][0]
+        sup = w.super_pages(S)
+        for g in range(Hkv):
+            members = ev_idx[0, g].tolist()
+            for p in range(sup.counts.shape[2]):
+                part = [keys[0, g, j].tolist() for j in members[p * S * P:(p + 1) * S * P]]
+                n_p, lo, hi = page_box(part)
+                expect(n_p == int(sup.counts[0, g, p]), check_fast_ge_reference, case, f"super-page {p}: count")
+                for c in range(case["D"]):
+                    expect(mpf(sup.lo[0, g, p, c].item()) <= lo[c] and hi[c] <= mpf(sup.hi[0, g, p, c].item()),
+                           check_fast_ge_reference, case, f"super-page {p} channel {c}: box does not contain its keys")
     for h in range(H):
         g = h // (H // Hkv)
         q_row = q[0, h].tolist()
