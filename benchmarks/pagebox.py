@@ -179,6 +179,40 @@ def harm_labels(path):
     return {(r["task"], r["haystack"], r["seed"], r["depth"]): r for r in json.loads(p.read_text())["records"]}
 
 
+def tables(data):
+    """README tables: per cell, the gap log(X / Z_E) and the TV ratio of each witness."""
+    cells = data["cells"]
+    names = [n for n in next(iter(cells.values())) if isinstance(next(iter(cells.values()))[n], dict) and "checks" in
+             next(iter(cells.values()))[n]]
+    st = data["settings"]
+    gap = {"title": f"Eviction certificates on SmolLM2 ({st['n']} inputs of ~{st['tokens']} tokens, {st['steps']} decode "
+                    "steps, all layers and query heads; truth from exact keys): median [p90] of log(X / Z_E) in nats, "
+                    "the witness's bound on the evicted partition function over the exact one (0 = exact; ball = "
+                    "today's group witness, box-pN = page boxes of N consecutive evicted tokens, box-cN = N clustered, "
+                    "-h = super-page hierarchy); last row: witness bytes per evicted token (fp16 K+V: 256)",
+           "header": ["evictor@budget", "true TV median"] + names, "rows": []}
+    ratio = {"title": "The same reads: median [p90] of bound TV / true TV (the issue's goal: median <= 10), "
+                      "violations / checks, and AUROC against harm of the per-input mean bound log-odds (harm labels "
+                      "from results/evict_eval.json, same inputs) beside the AUROC of the true evicted mass",
+             "header": ["evictor@budget"] + names + ["violations/checks", "harmed/unharmed", "AUROC box-p8", "AUROC ball-g32",
+                                                     "AUROC true mass"], "rows": []}
+
+    def auc(c, n):
+        a = c.get("harm", {}).get("auroc", {}).get(n)
+        return "-" if not a or a[0] is None else f"{a[0]:.2f} [{a[1][0]:.2f}, {a[1][1]:.2f}]"
+    for key, c in cells.items():
+        gap["rows"].append([key, f"{c['true_tv_median']:.3f}"]
+                           + [f"{c[n]['log_z_ratio_median']:.1f} [{c[n]['log_z_ratio_p90']:.1f}]" for n in names])
+        h = c.get("harm", {})
+        ratio["rows"].append([key] + [f"{c[n]['tv_ratio_median']:.1f} [{c[n]['tv_ratio_p90']:.1f}]" for n in names]
+                             + [f"{sum(c[n]['violations'] for n in names)}/{sum(c[n]['checks'] for n in names)}",
+                                f"{h.get('harmed', '-')}/{h.get('unharmed', '-')}", auc(c, "box-p8"), auc(c, "ball-g32"),
+                                auc(c, "true")])
+    first = next(iter(cells.values()))
+    gap["rows"].append(["bytes / evicted token", "-"] + [f"{first[n]['bytes_per_evicted_token']:.1f}" for n in names])
+    return [gap, ratio]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=32)
@@ -193,7 +227,13 @@ def main(argv=None):
     ap.add_argument("--window-frac", type=float, default=0.125)
     ap.add_argument("--labels", default=str(ROOT / "results" / "evict_eval.json"), help="harm labels (same inputs)")
     ap.add_argument("--out", default=str(ROOT / "results" / "pagebox.json"))
+    ap.add_argument("--tables", default=None, help="only (re)write the README tables of this results file")
     args = ap.parse_args(argv)
+    if args.tables:
+        data = json.loads(Path(args.tables).read_text())
+        data["readme_tables"] = tables(data)
+        Path(args.tables).write_text(json.dumps(data, indent=1))
+        return 0
     torch.set_num_threads(1)
     from benchmarks.ruler import build, examples
     from fast.integrations.model import load_smollm2
@@ -259,6 +299,7 @@ def main(argv=None):
                          "labels": str(Path(args.labels).relative_to(ROOT)) if labels is not None else None},
             "seconds": round(time.time() - t0, 1), "cells": out_cells,
             "median_of_cell_medians_tv_ratio": {n: round(float(torch.tensor(v).median()), 4) for n, v in overall.items()}}
+    data["readme_tables"] = tables(data)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(data, indent=1))
     print(json.dumps(data["median_of_cell_medians_tv_ratio"], indent=1))
