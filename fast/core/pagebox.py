@@ -227,7 +227,8 @@ def pagebox_log_odds(q, witness, log_z_kept_lower, scale, *, super_size=None, re
     super_size: None = every page is read; an int = the hierarchy: super-pages of that many
     pages first, refined into pages where the super-page's term is >= refine x the super-page
     total (sound for any refine in [0, 1]). stats: optional dict, receives "boxes" (box
-    evaluations per query head, mean) and "pages" (pages per KV head)."""
+    evaluations per query head, mean: super-pages + super_size x refined super-pages, a partial
+    last super-page counted as full) and "pages" (pages per KV head)."""
     _check_finite("q", q)
     if q.dim() != 3:
         raise ValueError(f"q must be [B, H, D], got {tuple(q.shape)}")
