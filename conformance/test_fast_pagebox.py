@@ -128,7 +128,9 @@ def test_fast_pagebox_bound_ge_reference(case):
 
 def check_widened(seed):
     """property (T7l, T7k): boxes of quantized evicted keys widened by their band witness rho
-    bound the EXACT keys' evicted mass; truth in fp64 (slack 1e-12). Returns max truth / bound."""
+    bound the EXACT keys' evicted mass; composed with the quantized kept part (compose_tv, the
+    forms on p~^K) they bound TV(p, p~^K); truth in fp64 (slack 1e-12). Returns (max truth /
+    bound, whether the unwidened box of the served keys fell below the truth)."""
     from fast.core.witness import witness
     g = torch.Generator().manual_seed(seed)
     B, H, Hkv, N, D, nk = 2, 4, 2, 40, 16, 12
@@ -149,7 +151,20 @@ def check_widened(seed):
     truth = torch.softmax(x, -1)[..., nk:].sum(-1)
     assert bool((bound.double() >= truth - 1e-12).all()), f"seed {seed}: {bound.tolist()} < {truth.tolist()}"
     unwidened = build_page_box_witness(served, ev_idx, page_size=1)          # tight: the served keys themselves
-    return float((truth / bound.double()).max()), bool((pagebox_bound(q, unwidened, lz, s).double() < truth).any())
+    missed = bool((pagebox_bound(q, unwidened, lz, s).double() < truth).any())
+    # T7k with quantized kept keys too: L from the served kept logits minus c, plus the forms on p~^K
+    from fast.core.certify import tv_bound_forms
+    from fast.core.evict import compose_tv
+    from fast.core.witness import logit_error_bound
+    c = logit_error_bound(q, rho[:, :, :nk], bands, s)
+    lz_q = log_z_kept_lower(q, served[:, :, :nk], s, c=c)
+    rep = H // Hkv
+    x_served = s * torch.einsum("bhd,bhnd->bhn", q.double(), served[:, :, :nk].double().repeat_interleave(rep, 1))
+    p_tk = torch.softmax(x_served, -1)
+    composed = compose_tv(pagebox_bound(q, w, lz_q, s), tv_bound_forms(p_tk.float(), c)["min"])
+    whole = 0.5 * (torch.softmax(x, -1) - torch.cat([p_tk, torch.zeros(B, H, N - nk, dtype=torch.float64)], -1)).abs().sum(-1)
+    assert bool((composed.double() >= whole - 1e-12).all()), f"seed {seed}: composed {composed.tolist()} < {whole.tolist()}"
+    return float((truth / bound.double()).max()), missed
 
 
 def test_fast_widened_box_bounds_exact_keys():
