@@ -122,3 +122,58 @@ def log_z_kept_lower(q, stored_keys, c, scale):
         xs.append(s * fsum(mpf(a) * mpf(b) for a, b in zip(q, k)) - mpf(cj))
     top = max(xs)
     return top + log(fsum(exp(v - top) for v in xs))
+
+
+@workdps(DPS)
+def page_box(keys):
+    """(n_p, lo, hi) of one page of evicted keys (spec T7i): lo_c = min_j k_jc, hi_c = max_j k_jc, exact."""
+    if not keys:
+        raise ValueError("page_box: empty page")
+    D = len(keys[0])
+    lo = [mpf(v) for v in keys[0]]
+    hi = list(lo)
+    for k in keys[1:]:
+        if len(k) != D:
+            raise ValueError("page_box: keys of different lengths")
+        lo = [min(a, mpf(v)) for a, v in zip(lo, k)]
+        hi = [max(a, mpf(v)) for a, v in zip(hi, k)]
+    return len(keys), lo, hi
+
+
+@workdps(DPS)
+def box_max_logit(q, lo, hi, scale):
+    """s sum_c max(q_c lo_c, q_c hi_c): the exact maximum of s<q, k> over lo <= k <= hi (T7i)."""
+    if not (len(q) == len(lo) == len(hi)):
+        raise ValueError("box_max_logit: q, lo and hi must have the same length")
+    total = mpf(0)
+    for qc, a, b in zip(q, lo, hi):
+        if mpf(a) > mpf(b):
+            raise ValueError(f"box_max_logit: lo {a} > hi {b}")
+        total += max(mpf(qc) * mpf(a), mpf(qc) * mpf(b))
+    return mpf(scale) * total
+
+
+@workdps(DPS)
+def page_box_bound(q, pages, log_z_kept_lower, scale, bands=None):
+    """X / (L + X) >= TV(p, p^K) (spec T7j, T7k, T7l), for any query q.
+
+    pages: a list of (n_p, lo_p, hi_p, widen_p) covering the evicted tokens, each token's key
+    (as stored) in its page's box; widen_p None (exact keys) or, per band, an upper bound on
+    ||(k_j - stored_j)_b|| over the page's tokens (then bands is required). Then
+    X = sum_p n_p exp(U_p), U_p = box_max_logit + s sum_b ||q_b|| widen_{p,b} >= Z_E, and
+    L = exp(log_z_kept_lower) must be <= Z_K. No pages: returns 0."""
+    s = mpf(scale)
+    if not s >= 0:
+        raise ValueError(f"scale must be >= 0 (got {scale})")
+    upper = mpf(0)
+    for n_p, lo, hi, widen in pages:
+        if n_p < 0:
+            raise ValueError(f"page_box_bound: negative count {n_p}")
+        u = box_max_logit(q, lo, hi, s)
+        if widen is not None:
+            if bands is None or len(widen) != len(bands) or min(mpf(v) for v in widen) < 0:
+                raise ValueError("page_box_bound: widen needs bands and one nonnegative entry per band")
+            u += s * fsum(qb * mpf(w) for qb, w in zip(band_norms(q, bands), widen))
+        upper += n_p * exp(u)
+    lower = exp(mpf(log_z_kept_lower))
+    return upper / (lower + upper)
