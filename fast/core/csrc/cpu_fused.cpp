@@ -80,7 +80,10 @@ inline float kv_exp(float x) {
     p = std::fma(p, r, 0.5f);
     p = std::fma(p, r, 1.0f);
     p = std::fma(p, r, 1.0f);
-    int32_t bits = ((int32_t)fn + 127) << 23;
+    // 2^fn by the exponent field: fn in [-126, 0] for x in [X_MIN, 0]. A NaN x (the error path: the logit flag
+    // reports it; the result is 0 there) gives a NaN fn: the range is checked before the conversion
+    const uint32_t e = (fn >= -126.0f && fn <= 127.0f) ? (uint32_t)((int32_t)fn + 127) : 127u;
+    const uint32_t bits = e << 23;
     float scale;
     std::memcpy(&scale, &bits, 4);
     float y = p * scale;
@@ -94,7 +97,7 @@ inline float kv_exp(float x) {
 inline uint32_t grid_bits(const float* lut, int i) {
     uint32_t m;
     std::memcpy(&m, &lut[160 + i % 8], 4);
-    return m + (uint32_t)((i / 8 - 20) << 23);
+    return m + ((uint32_t)(i / 8) << 23) - (20u << 23);  // unsigned, wrapping: the bits of m + (i / 8 - 20) 2^23
 }
 
 inline bool lut_is_grid(const float* lut) {
@@ -898,10 +901,14 @@ float kvcert_exp_one(float x) { return kv_exp(x); }
 // cast to fp32 rounded up; a nonzero result below rho_min raised to rho_min (still a witness). key [n, Hkv, D]
 // fp32; the stored key of slot s in block s / bs, offset s % bs: kt + blk * k_sb + h * k_sh + d * bs + off
 // (keys [D, bs] per block, vLLM's CPU cache); slots < 0 are skipped; rho [blocks, Hkv, bs, NB] contiguous.
-// Returns the number of non-finite keys or stored keys met (the caller raises; nothing is written for them).
+// Returns the number of non-finite keys or stored keys met (the caller raises; nothing is written for them), or
+// -1 (nothing written) when D > 512 or a band index lies outside [0, D) (cpu_fused.paged_witness checks both first).
 int64_t kvcert_paged_witness(const float* key, int64_t n, int64_t Hkv, int64_t D, const float* kt, int64_t k_sb,
                              int64_t k_sh, int64_t bs, const int64_t* slots, const int64_t* bands, int64_t NB, int64_t W,
                              double margin, float rho_min, float* rho) {
+    if (D > 512 || bs < 1) return -1;
+    for (int64_t i = 0; i < NB * W; ++i)
+        if (bands[i] < 0 || bands[i] >= D) return -1;
     int64_t bad = 0;
     for (int64_t i = 0; i < n; ++i) {
         const int64_t sl = slots[i];
