@@ -141,11 +141,21 @@ def _cache_dir():
     return Path(d)
 
 
-def build(verbose=False, scalar=False):
+SANITIZE = ["-fsanitize=address,undefined,float-cast-overflow", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
+
+
+def sanitized():
+    """KVCERT_SANITIZE=1: _lib loads the AddressSanitizer + UBSan build (tests/test_sanitize.py runs the kernel
+    tests so, in a python started with libasan preloaded: python itself is not built with ASan)."""
+    return os.environ.get("KVCERT_SANITIZE") == "1"
+
+
+def build(verbose=False, scalar=False, sanitize=False):
     """Compile csrc/cpu_fused.cpp (once per source and flags) and return the .so path. scalar=True
-    builds without the AVX2 paths (-DKVCERT_SCALAR): the same bits, used by the tests to check that."""
+    builds without the AVX2 paths (-DKVCERT_SCALAR): the same bits, used by the tests to check that.
+    sanitize=True: with ASan + UBSan (SANITIZE; the flags are part of the cache key)."""
     src = SRC.read_bytes()
-    flags = FLAGS + (["-DKVCERT_SCALAR"] if scalar else [])
+    flags = FLAGS + (["-DKVCERT_SCALAR"] if scalar else []) + (SANITIZE if sanitize else [])
     key = hashlib.sha256(src + " ".join(flags).encode() + sys.version.encode()).hexdigest()[:16]
     out = _cache_dir() / f"kvcert_fused_{key}.so"
     if out.exists():
@@ -166,7 +176,7 @@ def build(verbose=False, scalar=False):
 
 def _lib(scalar=False):
     if scalar not in _LIB:
-        lib = ctypes.CDLL(str(build(scalar=scalar)))
+        lib = ctypes.CDLL(str(build(scalar=scalar, sanitize=sanitized())))
         lib.kvcert_fused_run.argtypes = [ctypes.POINTER(_Args)]
         lib.kvcert_fused_run.restype = None
         lib.kvcert_exp_check.argtypes = [ctypes.c_float, ctypes.POINTER(ctypes.c_double), ctypes.c_int]
