@@ -643,3 +643,43 @@ def test_exp_error_path_is_defined():
     """kv_exp on NaN (the error path: the logit flag raises) converts no NaN to an integer (UBSan: the sanitizer
     run below) and gives 0 as before; -inf gives 0."""
     assert cpu_fused.exp_one(float("nan")) == 0.0 and cpu_fused.exp_one(float("-inf")) == 0.0
+
+
+def test_top_log_code_same_bits_and_refused_to_the_twin():
+    """The reserved top witness code 255 (issue 19 #6: the largest fp32, >= any finite witness) decodes in the
+    AVX2 grid paths (byte transpose, per token) as in the scalar table read: the same stats bits (NaN sums
+    included); a row with such a token gets no fp32 certificate from the kernel (the twin's fp64 terms: vacuous)."""
+    from fast.core.witness import _log_table
+    lut = _log_table("cpu").to(torch.float32).contiguous()
+    assert cpu_fused.lut_is_grid(lut) and float(lut[255]) == torch.finfo(torch.float32).max
+    off = lut.clone()
+    off[255] = 2.0 ** 11.875  # where the grid would put code 255: not the table the kernel decodes
+    assert not cpu_fused.lut_is_grid(off)
+    g = torch.Generator().manual_seed(11)
+    B, T, Hkv, G, N0, D, NB = 1, 2, 2, 2, 24, 64, 8
+    bands = fast.rope_bands(D, NB)
+    k, v = torch.randn(B, Hkv, N0, D, generator=g), torch.randn(B, Hkv, N0, D, generator=g)
+    kq, vq = fast.quantize(k, "int8", group_size=D), fast.quantize(v, "int8", group_size=D)
+    rho = fast.pack_witness(fast.witness(k, fast.dequantize(kq), bands)).contiguous()
+    rho[0, 1, 5, 3] = rho[0, 1, 17, 0] = rho[0, 0, 22, 7] = 255
+    valid = torch.ones(B, Hkv, N0, dtype=torch.uint8)
+    valid[0, 0, 22] = 0  # an unread token with the top code: w = 0 times c = inf in the sums
+    s0 = cpu_fused.seg(Hkv, N0, k=kq.codes, v=vq.codes, k_scales=kq.scales, v_scales=vq.scales, rho=rho, valid=valid)
+    q = (torch.randn(B, T, Hkv * G, D, generator=g) * 30).contiguous()  # kappa > 1: c = kappa * fp32 max overflows
+    qpos = torch.full((B, T), N0 - 1, dtype=torch.int32)
+    b64 = bands.to(torch.int64).contiguous()
+    got = [cpu_fused._run(q, qpos, [s0, cpu_fused.seg(Hkv, 0)], D ** -0.5, b64, 1, 1, True, lut, scalar=sc) for sc in (False, True)]
+    assert torch.equal(got[0][0], got[1][0])
+    assert torch.equal(got[0][1].view(torch.int64), got[1][1].view(torch.int64))
+    assert not bool(torch.isfinite(got[0][1][0, :, :, :4]).all())  # the top code's c overflowed
+    assert cpu_fused._certificate(got[0][1], NB, N0, D) is None and cpu_fused._certificate_numpy(got[0][1], NB, N0, D) is None
+    # only the unread token holds the top code: every max c is finite, the NaN sums alone must refuse
+    rho2 = rho.clone()
+    rho2[0, 1, 5, 3], rho2[0, 1, 17, 0] = rho[0, 1, 4, 3], rho[0, 1, 4, 0]
+    s0 = cpu_fused.seg(Hkv, N0, k=kq.codes, v=vq.codes, k_scales=kq.scales, v_scales=vq.scales, rho=rho2, valid=valid)
+    _, st2 = cpu_fused._run(q, qpos, [s0, cpu_fused.seg(Hkv, 0)], D ** -0.5, b64, 1, 1, True, lut)
+    assert bool(torch.isnan(st2[..., 1]).any()) and bool(torch.isfinite(st2[..., 3]).all())
+    assert cpu_fused._certificate(st2, NB, N0, D) is None and cpu_fused._certificate_numpy(st2, NB, N0, D) is None
+    # through attention_rows: the twin's certificate, vacuous on the heads that read a top code, sound
+    out, cert = cpu_fused.attention_rows(q, kq, vq, rho, D ** -0.5, bands=bands, q_pos=qpos.long(), valid=valid[:, 0].bool())
+    assert bool((cert["min"][..., 2:] == 1).all()) and bool(torch.isfinite(cert["min"]).all())

@@ -164,3 +164,32 @@ def test_eviction_reads_each_overlay_token_once(monkeypatch):
             p = torch.softmax((kx[b, kv].double() @ q[b, h, 0].double()) * scale, 0)
             tv = 0.5 * float((p - w).abs().sum())
             assert tv <= float(tv_bound[b, h]), (b, h, tv, float(tv_bound[b, h]))
+
+
+def test_huge_key_error_mid_generation_gives_a_vacuous_record(monkeypatch):
+    """Regression (issue 19 #6): a key whose witness exceeds the largest regular log code (~3.4e3) raised
+    ValueError in pack_witness when it left the exact window, in the middle of generation. Now it takes the
+    reserved top code (decodes to the largest fp32, >= any finite witness): every step still gets its records,
+    the meter's shadow run shows them sound against the true TV (exact keys), the heads reading the key get
+    the vacuous bound 1, and the fused cache's records equal the meter's there."""
+    monkeypatch.setattr(hf_fused, "FLUSH_BLOCK", 1)
+    ids = tiny_ids(B=1, N=20)
+
+    def poison(cache, t):
+        if t == 1:  # the newest token's key in KV head 1 of layer 0, scaled up while it is exact (tail)
+            layer = cache.layers[0]
+            layer.k_tail[:, 1, -1] *= 1e6
+            if layer.exact_k is not None:
+                layer.exact_k[:, 1, -1] *= 1e6
+    steps = 14  # the token leaves the 8-token window (and is quantized, witness packed) at step 9
+    ref_logits, ref_cache = _run(CertifiedCache, "kvcert", ids, steps, before_step=poison, window=8, sinks=4, shadow=True)
+    fus_logits, fus_cache = _run(hf_fused.FusedCertifiedCache, hf_fused.NAME, ids, steps, before_step=poison, window=8, sinks=4)
+    assert len(ref_cache.records) == len(fus_cache.records) == steps * 2
+    assert int(ref_cache.layers[0].rho_codes[:, 1].max()) == 255  # the reserved top code was used
+    for r in ref_cache.records:
+        assert bool((r["true_tv"] <= r["pre_min"]).all()), r["step"]
+        assert bool(torch.isfinite(r["pre_min"]).all())
+    late = [r for r in fus_cache.records if r["layer"] == 0 and r["step"] >= 10]
+    assert late and all(bool((r["pre_min"][:, 2:] == 1).all()) for r in late)  # query heads 2, 3 read KV head 1
+    for r, f in zip(ref_cache.records, fus_cache.records):
+        assert bool((f["pre_min"] >= r["pre_min"] * (1 - 1e-5)).all()), (f["step"], f["layer"])

@@ -347,7 +347,8 @@ def _epi_const(NB, N, D):
 
 def _certificate(stats, NB, N, D):
     """The fp32 certificate dict [B, T, H] from the kernel stats [B, T, H, 5]
-    (fast.core.certify.forms_from_pmz), or None when a row needs the twin's fp64 terms. In C++
+    (fast.core.certify.forms_from_pmz), or None when a row needs the twin's fp64 terms (a large witness, or a
+    NaN sum: w = 0 times a c that overflowed fp32 at a token the row does not read). In C++
     (csrc: epilogue, the numpy code's operations in its order; tests/test_cpu_fused.py compares them),
     else _certificate_numpy."""
     try:
@@ -366,6 +367,8 @@ def _certificate_numpy(stats, NB, N, D):
     """_certificate in numpy: the readable statement of the epilogue (and the fallback)."""
     B, T, H, _ = stats.shape
     st = stats.numpy().reshape(B * T, H, 5)
+    if np.isnan(st).any():  # 0 * inf in a sum (an unread token whose c overflowed fp32): the twin's fp64 terms
+        return None
     e = st[..., 4]
     sums, cm = _sums_to_pmz(st[..., :4], NB, N)
     if float(cm.max()) + 2 * float(e.max()) >= CMAX32:

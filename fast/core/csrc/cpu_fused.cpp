@@ -90,10 +90,12 @@ inline float kv_exp(float x) {
     return x >= X_MIN ? y : 0.0f;
 }
 
-// The witness log table (fast.core.witness._log_table) is a power grid: lut[0] = 0 and, for code i >= 1,
+// The witness log table (fast.core.witness._log_table) is a power grid: lut[0] = 0 and, for code i in [1, 254],
 // lut[i] = lut[160 + i % 8] * 2^(i / 8 - 20) exactly (every entry normal), so a code decodes in registers:
-// the 8-entry mantissa table by permute, the exponent added to the bits. lut_is_grid checks that every
-// entry is exactly what this decode gives (else the kernel uses the table gather); same bits either way.
+// the 8-entry mantissa table by permute, the exponent added to the bits; the reserved top code 255 is the
+// largest fp32 (TOP_BITS: >= any finite witness), selected by a compare. lut_is_grid checks that every entry
+// is exactly what this decode gives (else the kernel uses the table gather); same bits either way.
+constexpr uint32_t TOP_BITS = 0x7f7fffffu;
 inline uint32_t grid_bits(const float* lut, int i) {
     uint32_t m;
     std::memcpy(&m, &lut[160 + i % 8], 4);
@@ -102,13 +104,15 @@ inline uint32_t grid_bits(const float* lut, int i) {
 
 inline bool lut_is_grid(const float* lut) {
     if (!lut || lut[0] != 0.0f) return false;
-    for (int i = 1; i < 256; ++i) {
+    for (int i = 1; i < 255; ++i) {
         uint32_t t;
         std::memcpy(&t, &lut[i], 4);
         const uint32_t e = (t >> 23) & 0xffu;
         if (e == 0 || e == 0xffu || t != grid_bits(lut, i)) return false;
     }
-    return true;
+    uint32_t top;
+    std::memcpy(&top, &lut[255], 4);
+    return top == TOP_BITS;
 }
 
 inline float half_to_float(uint16_t h) {
@@ -552,6 +556,7 @@ void run(const Args& a) {
             if (sg.rho && sg.rho_u8 && NB == 8) {
                 const __m256 mant = _mm256_loadu_ps(a.lut + 160);
                 const __m256i bias = _mm256_set1_epi32(20), zero = _mm256_setzero_si256();
+                const __m256i top = _mm256_set1_epi32((int)TOP_BITS), c255 = _mm256_set1_epi32(255);
                 if (grid && (!sg.bs || sg.bs % 8 == 0)) {
                     // the 8 tokens' 64 code bytes are adjacent (j % 8 == 0, one block): transpose the bytes to
                     // band-major (pshufb pairs two tokens per 128-bit lane, 16-bit unpacks pair four, a dword
@@ -581,7 +586,8 @@ void run(const Args& a) {
                         for (int k = 0; k < 8; ++k) {
                             const __m128i w = qw[k / 2];
                             const __m256i ci = _mm256_cvtepu8_epi32(k % 2 ? _mm_unpackhi_epi64(w, w) : w);
-                            const __m256i v = _mm256_add_epi32(_mm256_permutevar8x32_epi32(madj, ci), _mm256_slli_epi32(ci, 20));
+                            const __m256i v = _mm256_blendv_epi8(_mm256_add_epi32(_mm256_permutevar8x32_epi32(madj, ci), _mm256_slli_epi32(ci, 20)),
+                                                                 top, _mm256_cmpeq_epi32(ci, c255));
                             const __m256i z = sg.exact ? _mm256_or_si256(_mm256_cmpeq_epi32(ci, zero), exm) : _mm256_cmpeq_epi32(ci, zero);
                             _mm256_storeu_ps(dst + k * L, _mm256_castsi256_ps(_mm256_andnot_si256(z, v)));
                         }
@@ -595,10 +601,10 @@ void run(const Args& a) {
                         const __m256i ci = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)rc));
                         if (ex) {
                             x[t] = _mm256_setzero_ps();
-                        } else if (grid) {  // lut[ci] = mant[ci % 8] 2^(ci / 8 - 20); 0 at code 0
+                        } else if (grid) {  // lut[ci] = mant[ci % 8] 2^(ci / 8 - 20); 0 at code 0, TOP_BITS at 255
                             const __m256 m = _mm256_permutevar8x32_ps(mant, ci);  // uses the low 3 bits
                             const __m256i e = _mm256_slli_epi32(_mm256_sub_epi32(_mm256_srli_epi32(ci, 3), bias), 23);
-                            const __m256i v = _mm256_add_epi32(_mm256_castps_si256(m), e);
+                            const __m256i v = _mm256_blendv_epi8(_mm256_add_epi32(_mm256_castps_si256(m), e), top, _mm256_cmpeq_epi32(ci, c255));
                             x[t] = _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_cmpeq_epi32(ci, zero), v));
                         } else {
                             x[t] = _mm256_i32gather_ps(a.lut, ci, 4);
@@ -771,6 +777,9 @@ int epilogue(const double* st, int64_t rows, const EpiConst& k, float* out) {
     std::vector<double> cmv((size_t)rows);
     double cmx = -INFINITY, ex = -INFINITY;
     for (int64_t i = 0; i < rows; ++i) {
+        // a NaN sum (0 * inf: a token a row does not read, whose c overflowed fp32, e.g. the top log code): the twin
+        for (int c = 0; c < 5; ++c)
+            if (std::isnan(st[i * 5 + c])) return 0;
         cmv[i] = up(up(st[i * 5 + 3] * k.f) * k.up_);
         cmx = nmax(cmx, cmv[i]);
         ex = nmax(ex, st[i * 5 + 4]);
