@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.kvcert-installed
 COQLIBS := coq libcoq-coquelicot libcoq-interval libcoq-flocq
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo demo-vllm test proofs coq install bench eval readme clean
+.PHONY: demo demo-vllm test sanitize proofs coq install bench eval readme clean
 
 $(STAMP): pyproject.toml .ci/constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -39,6 +39,10 @@ proofs: coq
 
 test: install proofs
 	$(PY) -m pytest -q -p no:cacheprovider conformance tests
+
+# The fused C++ read's tests on an ASan + UBSan build (also part of `make test`: tests/test_sanitize.py).
+sanitize: install
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_sanitize.py
 
 # The main job on the shipped SmolLM2: the transformers path (certified cache, gate, eviction), then vLLM.
 demo: install

@@ -509,3 +509,177 @@ def test_epilogue_cpp_is_the_numpy_epilogue(case):
     for key in b:
         d = (a[key].view(torch.int32).long() - b[key].view(torch.int32).long()).abs().max().item()
         assert d <= 1, (key, d, case)
+
+
+# ---- inputs the kernel trusts: each bad one is a ValueError before the C++ code runs ----
+
+@pytest.mark.parametrize("what", ["fp32_scales", "groups_off_D", "scales_short", "codes_int16", "v_scales_short"])
+def test_qtensor_checked_before_the_kernel(what):
+    """Regression (issue 19 #4): attention_rows passed a QTensor's scales to the kernel as int16 without a
+    check: fp32 scales were read as pairs of fp16 halves (a finite, wrong certificate), 3 groups of a
+    32-channel head left channels of the dequantized row unset, scales for 5 of 10 tokens were read past
+    their end (heap-buffer-overflow under ASan). Now: one ValueError each."""
+    from fast.core.quant import QTensor
+    q, kq, vq, bands, qp = _inputs()
+    mk = lambda t, **kw: QTensor(**{**t.__dict__, **kw})
+    k, v = kq, vq
+    if what == "fp32_scales":
+        k = mk(kq, scales=kq.scales.float())
+    elif what == "groups_off_D":
+        k = mk(kq, scales=torch.ones(1, 1, 10, 3, dtype=torch.float16))
+    elif what == "scales_short":
+        k = mk(kq, scales=kq.scales[:, :, :5].contiguous())
+    elif what == "codes_int16":
+        k = mk(kq, codes=kq.codes.to(torch.int16))
+    elif what == "v_scales_short":
+        v = mk(vq, scales=vq.scales[:, :, :1].contiguous())
+    with pytest.raises(ValueError, match="scales|codes"):
+        cpu_fused.attention_rows(q, k, v, None, 0.125, bands=bands, q_pos=qp)
+
+
+def _kernel_args(bad):
+    """A valid two-segment _run call (int8 codes + fp32 tail), then one input made bad."""
+    g = torch.Generator().manual_seed(5)
+    B, T, Hkv, H, N0, N1, D, NB = 2, 2, 2, 4, 20, 6, 32, 4
+    bands = fast.rope_bands(D, NB).to(torch.int64).contiguous()
+    k, v = torch.randn(B, Hkv, N0, D, generator=g), torch.randn(B, Hkv, N0, D, generator=g)
+    kq, vq = fast.quantize(k, "int8", group_size=16), fast.quantize(v, "int8", group_size=16)
+    a = {"k": kq.codes, "v": vq.codes, "k_scales": kq.scales, "v_scales": vq.scales,
+         "rho": fast.pack_witness(fast.witness(k, fast.dequantize(kq), bands)), "valid": torch.ones(B, Hkv, N0, dtype=torch.uint8),
+         "pos": torch.arange(N0, dtype=torch.int32).expand(B, Hkv, N0).contiguous()}
+    t = {"k": torch.randn(B, Hkv, N1, D, generator=g), "v": torch.randn(B, Hkv, N1, D, generator=g),
+         "pos": torch.arange(N0, N0 + N1, dtype=torch.int32).expand(B, Hkv, N1).contiguous()}
+    r = {"q": torch.randn(B, T, H, D, generator=g), "qpos": torch.full((B, T), N0 + N1 - 1, dtype=torch.int32), "s": D ** -0.5,
+         "bands": bands, "ngk": 2, "ngv": 2, "certify": True, "lut": __import__("fast.core.witness", fromlist=["_log_table"])._log_table("cpu").float()}
+    seg_bad = {
+        "k_fp16": lambda: a.update(k=a["k"].half()), "v_short": lambda: a.update(v=a["v"][:, :, :-1]),
+        "k_scales_fp32": lambda: a.update(k_scales=a["k_scales"].float()), "v_scales_fp32": lambda: a.update(v_scales=a["v_scales"].float()),
+        "k_scales_3_groups": lambda: a.update(k_scales=torch.ones(B, Hkv, N0, 3, dtype=torch.float16)),
+        "k_scales_short": lambda: a.update(k_scales=a["k_scales"][:, :, :5]), "no_scales": lambda: a.update(k_scales=None),
+        "rho_short": lambda: a.update(rho=a["rho"][:, :, :3]), "rho_fp16": lambda: a.update(rho=a["rho"].half()),
+        "valid_short": lambda: a.update(valid=a["valid"][..., :4]), "pos_int64": lambda: a.update(pos=a["pos"].long()),
+        "k_not_rowmajor": lambda: a.update(k=a["k"].transpose(2, 3).contiguous().transpose(2, 3)),
+        "kv_dtypes": lambda: a.update(v=a["v"].float(), v_scales=None), "tail_fp16": lambda: t.update(k=t["k"].half()),
+        "tail_hkv": lambda: t.update(k=t["k"][:, :1], v=t["v"][:, :1]), "tail_pos_short": lambda: t.update(pos=t["pos"][..., :2]),
+        "D_not_multiple_of_8": lambda: a.update(k=a["k"][..., :12].contiguous(), v=a["v"][..., :12].contiguous()),
+    }
+    run_bad = {
+        "q_fp16": lambda: r.update(q=r["q"].half()), "q_not_contiguous": lambda: r.update(q=r["q"].transpose(1, 2)),
+        "q_batch": lambda: r.update(q=r["q"][:1].contiguous(), qpos=r["qpos"][:1].contiguous()),
+        "q_head_dim": lambda: r.update(q=torch.randn(B, T, H, 64)), "q_heads": lambda: r.update(q=torch.randn(B, T, 3, D)),
+        "qpos_int64": lambda: r.update(qpos=r["qpos"].long()), "qpos_shape": lambda: r.update(qpos=r["qpos"][:, :1].contiguous()),
+        "band_index_D": lambda: r["bands"].__setitem__((0, 0), D), "band_index_negative": lambda: r["bands"].__setitem__((1, 1), -100000),
+        "band_count": lambda: r.update(bands=fast.rope_bands(D, 8).to(torch.int64).contiguous()),
+        "ngk": lambda: r.update(ngk=3), "ngv": lambda: r.update(ngv=1), "no_lut": lambda: r.update(lut=None),
+        "lut_short": lambda: r.update(lut=r["lut"][:128]), "no_witness": lambda: a.update(rho=None),
+        "scale_nan": lambda: r.update(s=float("nan")), "tail_codes": None,
+    }
+    if bad in seg_bad:
+        seg_bad[bad]()
+    elif run_bad.get(bad) is not None:
+        run_bad[bad]()
+    s0 = cpu_fused.seg(Hkv, a["k"].shape[2], **a)
+    if bad == "tail_codes":  # segment 1 is read as exact fp32 rows (c = 0): codes or a witness there are refused
+        s1 = cpu_fused.seg(Hkv, N0, **a)
+    else:
+        s1 = cpu_fused.seg(t["k"].shape[1], t["k"].shape[2], **t)
+    return cpu_fused._run(r["q"], r["qpos"], [s0, s1], r["s"], r["bands"], r["ngk"], r["ngv"], r["certify"], r["lut"])
+
+
+KERNEL_BAD = ["k_fp16", "v_short", "k_scales_fp32", "v_scales_fp32", "k_scales_3_groups", "k_scales_short", "no_scales", "rho_short",
+              "rho_fp16", "valid_short", "pos_int64", "k_not_rowmajor", "kv_dtypes", "tail_fp16", "tail_hkv", "tail_pos_short",
+              "D_not_multiple_of_8", "q_fp16", "q_not_contiguous", "q_batch", "q_head_dim", "q_heads", "qpos_int64", "qpos_shape",
+              "band_index_D", "band_index_negative", "band_count", "ngk", "ngv", "no_lut", "lut_short", "no_witness", "scale_nan",
+              "tail_codes"]
+
+
+def test_kernel_args_baseline_runs():
+    out, stats = _kernel_args(None)
+    assert bool(torch.isfinite(out).all()) and bool(torch.isfinite(stats).all())
+
+
+@pytest.mark.parametrize("bad", KERNEL_BAD)
+def test_kernel_inputs_checked(bad):
+    """Regression (issue 19 #4): seg / _run (the calls hf_fused and the vLLM plugin make) check every dtype,
+    shape, stride, count, band index and table the kernel indexes blindly: one ValueError each (before, most
+    of these ran: wrong numbers, reads past the end, a witness read as c = 0)."""
+    with pytest.raises(ValueError):
+        _kernel_args(bad)
+
+
+@pytest.mark.parametrize("what", ["band_big", "band_negative", "band_float", "slots_float", "kt_fp16", "key_2d"])
+def test_paged_witness_checks_its_inputs(what):
+    """Regression (issue 19 #5): a band index of 100000 segfaulted, -100000 read the stack out of bounds."""
+    n, Hkv, D, nb, bs, NB = 3, 2, 16, 2, 8, 4
+    key, kt = torch.randn(n, Hkv, D), torch.randn(nb, Hkv, D, bs)
+    slots, rho, bands = torch.tensor([0, 5, 9]), torch.zeros(nb, Hkv, bs, NB), fast.rope_bands(D, NB).clone()
+    cpu_fused.paged_witness(key, kt, slots, rho, bands)
+    if what == "band_big":
+        bands[1, 1] = 100000
+    elif what == "band_negative":
+        bands[0, 0] = -100000
+    elif what == "band_float":
+        bands = bands.float()
+    elif what == "slots_float":
+        slots = slots.float()
+    elif what == "kt_fp16":
+        kt = kt.half()
+    elif what == "key_2d":
+        key = key[0]
+    with pytest.raises(ValueError):
+        cpu_fused.paged_witness(key, kt, slots, rho, bands)
+
+
+def test_paged_seg_checks_its_inputs():
+    """paged_seg: an empty block size, a head size off the kernel's, a cache off the CPU layout: ValueError."""
+    ok = torch.tensor([[0, 1]], dtype=torch.int32)
+    for kc, vc in ((torch.zeros(4, 1, 64, 0), torch.zeros(4, 1, 0, 64)), (torch.zeros(4, 1, 12, 8), torch.zeros(4, 1, 8, 12)),
+                   (torch.zeros(4, 1, 64, 8), torch.zeros(4, 1, 8, 64, dtype=torch.float64))):
+        with pytest.raises(ValueError):
+            cpu_fused.paged_seg(16, k=kc, v=vc, rho=None, table=ok, k_transposed=True)
+
+
+def test_exp_error_path_is_defined():
+    """kv_exp on NaN (the error path: the logit flag raises) converts no NaN to an integer (UBSan: the sanitizer
+    run below) and gives 0 as before; -inf gives 0."""
+    assert cpu_fused.exp_one(float("nan")) == 0.0 and cpu_fused.exp_one(float("-inf")) == 0.0
+
+
+def test_top_log_code_same_bits_and_refused_to_the_twin():
+    """The reserved top witness code 255 (issue 19 #6: the largest fp32, >= any finite witness) decodes in the
+    AVX2 grid paths (byte transpose, per token) as in the scalar table read: the same stats bits (NaN sums
+    included); a row with such a token gets no fp32 certificate from the kernel (the twin's fp64 terms: vacuous)."""
+    from fast.core.witness import _log_table
+    lut = _log_table("cpu").to(torch.float32).contiguous()
+    assert cpu_fused.lut_is_grid(lut) and float(lut[255]) == torch.finfo(torch.float32).max
+    off = lut.clone()
+    off[255] = 2.0 ** 11.875  # where the grid would put code 255: not the table the kernel decodes
+    assert not cpu_fused.lut_is_grid(off)
+    g = torch.Generator().manual_seed(11)
+    B, T, Hkv, G, N0, D, NB = 1, 2, 2, 2, 24, 64, 8
+    bands = fast.rope_bands(D, NB)
+    k, v = torch.randn(B, Hkv, N0, D, generator=g), torch.randn(B, Hkv, N0, D, generator=g)
+    kq, vq = fast.quantize(k, "int8", group_size=D), fast.quantize(v, "int8", group_size=D)
+    rho = fast.pack_witness(fast.witness(k, fast.dequantize(kq), bands)).contiguous()
+    rho[0, 1, 5, 3] = rho[0, 1, 17, 0] = rho[0, 0, 22, 7] = 255
+    valid = torch.ones(B, Hkv, N0, dtype=torch.uint8)
+    valid[0, 0, 22] = 0  # an unread token with the top code: w = 0 times c = inf in the sums
+    s0 = cpu_fused.seg(Hkv, N0, k=kq.codes, v=vq.codes, k_scales=kq.scales, v_scales=vq.scales, rho=rho, valid=valid)
+    q = (torch.randn(B, T, Hkv * G, D, generator=g) * 30).contiguous()  # kappa > 1: c = kappa * fp32 max overflows
+    qpos = torch.full((B, T), N0 - 1, dtype=torch.int32)
+    b64 = bands.to(torch.int64).contiguous()
+    got = [cpu_fused._run(q, qpos, [s0, cpu_fused.seg(Hkv, 0)], D ** -0.5, b64, 1, 1, True, lut, scalar=sc) for sc in (False, True)]
+    assert torch.equal(got[0][0], got[1][0])
+    assert torch.equal(got[0][1].view(torch.int64), got[1][1].view(torch.int64))
+    assert not bool(torch.isfinite(got[0][1][0, :, :, :4]).all())  # the top code's c overflowed
+    assert cpu_fused._certificate(got[0][1], NB, N0, D) is None and cpu_fused._certificate_numpy(got[0][1], NB, N0, D) is None
+    # only the unread token holds the top code: every max c is finite, the NaN sums alone must refuse
+    rho2 = rho.clone()
+    rho2[0, 1, 5, 3], rho2[0, 1, 17, 0] = rho[0, 1, 4, 3], rho[0, 1, 4, 0]
+    s0 = cpu_fused.seg(Hkv, N0, k=kq.codes, v=vq.codes, k_scales=kq.scales, v_scales=vq.scales, rho=rho2, valid=valid)
+    _, st2 = cpu_fused._run(q, qpos, [s0, cpu_fused.seg(Hkv, 0)], D ** -0.5, b64, 1, 1, True, lut)
+    assert bool(torch.isnan(st2[..., 1]).any()) and bool(torch.isfinite(st2[..., 3]).all())
+    assert cpu_fused._certificate(st2, NB, N0, D) is None and cpu_fused._certificate_numpy(st2, NB, N0, D) is None
+    # through attention_rows: the twin's certificate, vacuous on the heads that read a top code, sound
+    out, cert = cpu_fused.attention_rows(q, kq, vq, rho, D ** -0.5, bands=bands, q_pos=qpos.long(), valid=valid[:, 0].bool())
+    assert bool((cert["min"][..., 2:] == 1).all()) and bool(torch.isfinite(cert["min"]).all())

@@ -122,3 +122,98 @@ def test_refused_epilogue_rows_are_certified_for_the_kernel_output(monkeypatch):
     for rec, (tmin, t) in zip(cache.records, seen):
         assert bool((t > 0).all())
         assert bool((rec["min"].double() >= torch.clamp(tmin[:, -1] + t, max=1.0)).all())
+
+
+def _evict_index(B, Hkv):
+    """[B, Hkv, 22] kept storage positions of a 40-token prefill (sinks 0..3, tail 32..39 in the overlay after
+    keep_tokens): KV head 0 keeps the 4 sinks and the whole tail (12 overlay tokens), head 1 one sink and one
+    tail token (2): the overlay of head 1 is padded with 10 entries."""
+    h0 = [0, 1, 2, 3, *range(10, 20), *range(32, 40)]
+    h1 = [0, *range(5, 25), 39]
+    return torch.tensor([h0, h1][:Hkv]).expand(B, Hkv, 22).contiguous()
+
+
+def test_eviction_reads_each_overlay_token_once(monkeypatch):
+    """After keep_tokens with KV heads that keep different numbers of exact-overlay tokens, the fused read
+    is the attention over the cache's tokens (each once): the same logits and certificates as the meter's
+    twin on CertifiedCache, and at one read, the output is softmax over exactly the kept served keys
+    and the certificate bounds TV against softmax over the exact keys of the kept tokens (from an exact
+    prefill the caches never touched)."""
+    monkeypatch.setattr(hf_fused, "FLUSH_BLOCK", 1)
+    ids = tiny_ids(B=2, N=40)
+
+    def evict(cache, t):
+        if t == 0:
+            for l, layer in enumerate(cache.layers):
+                cache.keep_tokens(l, _evict_index(layer.B, layer.Hkv))
+    ref_logits, ref_cache = _run(CertifiedCache, "kvcert", ids, 4, before_step=evict, window=8, sinks=4)
+    fus_logits, fus_cache = _run(hf_fused.FusedCertifiedCache, hf_fused.NAME, ids, 4, before_step=evict, window=8, sinks=4)
+    assert fus_cache.fused_reads == 4 * 2
+    ex = fus_cache.layers[0]
+    assert ex.ex_idx.shape[2] == 12 and bool(ex.ex_on.all())  # head 1's overlay: 2 tokens + 10 switched-on duplicates
+    assert len(set(ex.ex_idx[0, 1].tolist())) == 2
+    torch.testing.assert_close(fus_logits, ref_logits, rtol=1e-4, atol=1e-4)
+    for r, f in zip(ref_cache.records, fus_cache.records):
+        for name in FORMS:
+            assert bool((f[name] >= r[name] * (1 - 1e-5)).all()), name
+            assert bool((f[name] <= r[name] * (1 + 1e-2) + 1e-6).all()), name
+
+    # one read of layer 1 with a chosen query, against exact keys from an exact prefill
+    model = tiny_llama()
+    with torch.no_grad():
+        exact = model(input_ids=ids, use_cache=True).past_key_values.layers[1]
+    fmodel = tiny_llama(attn=hf_fused.NAME)
+    cache = hf_fused.FusedCertifiedCache(fmodel.config, "int8", window=8, sinks=4)
+    with torch.no_grad():
+        fmodel(input_ids=ids, past_key_values=cache, use_cache=True)
+    layer = cache.layers[1]
+    index = _evict_index(2, 2)
+    cache.keep_tokens(1, index)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 1, 32, generator=g) * 2
+    scale = 32 ** -0.5
+    cache.records.clear()
+    out = hf_fused.fused_read(layer, q, scale)  # [B, 1, H, D]
+    hf_fused.flush_certificates(cache)
+    tv_bound = cache.records[-1]["pre_min"]  # [B, H]
+    ks, vs = hf_fused.CertifiedLayer.served(layer)  # [B, Hkv, 22, D]: each kept token once
+    take = lambda t: torch.gather(t, 2, index[..., None].expand(-1, -1, -1, 32))
+    kx = take(exact.keys)
+    for b in range(2):
+        for h in range(4):
+            kv = h // 2
+            w = torch.softmax((ks[b, kv].double() @ q[b, h, 0].double()) * scale, 0)
+            want = w @ vs[b, kv].double()
+            torch.testing.assert_close(out[b, 0, h].double(), want, rtol=1e-5, atol=1e-6)
+            p = torch.softmax((kx[b, kv].double() @ q[b, h, 0].double()) * scale, 0)
+            tv = 0.5 * float((p - w).abs().sum())
+            assert tv <= float(tv_bound[b, h]), (b, h, tv, float(tv_bound[b, h]))
+
+
+def test_huge_key_error_mid_generation_gives_a_vacuous_record(monkeypatch):
+    """Regression (issue 19 #6): a key whose witness exceeds the largest regular log code (~3.4e3) raised
+    ValueError in pack_witness when it left the exact window, in the middle of generation. Now it takes the
+    reserved top code (decodes to the largest fp32, >= any finite witness): every step still gets its records,
+    the meter's shadow run shows them sound against the true TV (exact keys), the heads reading the key get
+    the vacuous bound 1, and the fused cache's records equal the meter's there."""
+    monkeypatch.setattr(hf_fused, "FLUSH_BLOCK", 1)
+    ids = tiny_ids(B=1, N=20)
+
+    def poison(cache, t):
+        if t == 1:  # the newest token's key in KV head 1 of layer 0, scaled up while it is exact (tail)
+            layer = cache.layers[0]
+            layer.k_tail[:, 1, -1] *= 1e6
+            if layer.exact_k is not None:
+                layer.exact_k[:, 1, -1] *= 1e6
+    steps = 14  # the token leaves the 8-token window (and is quantized, witness packed) at step 9
+    ref_logits, ref_cache = _run(CertifiedCache, "kvcert", ids, steps, before_step=poison, window=8, sinks=4, shadow=True)
+    fus_logits, fus_cache = _run(hf_fused.FusedCertifiedCache, hf_fused.NAME, ids, steps, before_step=poison, window=8, sinks=4)
+    assert len(ref_cache.records) == len(fus_cache.records) == steps * 2
+    assert int(ref_cache.layers[0].rho_codes[:, 1].max()) == 255  # the reserved top code was used
+    for r in ref_cache.records:
+        assert bool((r["true_tv"] <= r["pre_min"]).all()), r["step"]
+        assert bool(torch.isfinite(r["pre_min"]).all())
+    late = [r for r in fus_cache.records if r["layer"] == 0 and r["step"] >= 10]
+    assert late and all(bool((r["pre_min"][:, 2:] == 1).all()) for r in late)  # query heads 2, 3 read KV head 1
+    for r, f in zip(ref_cache.records, fus_cache.records):
+        assert bool((f["pre_min"] >= r["pre_min"] * (1 - 1e-5)).all()), (f["step"], f["layer"])

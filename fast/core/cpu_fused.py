@@ -141,11 +141,21 @@ def _cache_dir():
     return Path(d)
 
 
-def build(verbose=False, scalar=False):
+SANITIZE = ["-fsanitize=address,undefined,float-cast-overflow", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
+
+
+def sanitized():
+    """KVCERT_SANITIZE=1: _lib loads the AddressSanitizer + UBSan build (tests/test_sanitize.py runs the kernel
+    tests so, in a python started with libasan preloaded: python itself is not built with ASan)."""
+    return os.environ.get("KVCERT_SANITIZE") == "1"
+
+
+def build(verbose=False, scalar=False, sanitize=False):
     """Compile csrc/cpu_fused.cpp (once per source and flags) and return the .so path. scalar=True
-    builds without the AVX2 paths (-DKVCERT_SCALAR): the same bits, used by the tests to check that."""
+    builds without the AVX2 paths (-DKVCERT_SCALAR): the same bits, used by the tests to check that.
+    sanitize=True: with ASan + UBSan (SANITIZE; the flags are part of the cache key)."""
     src = SRC.read_bytes()
-    flags = FLAGS + (["-DKVCERT_SCALAR"] if scalar else [])
+    flags = FLAGS + (["-DKVCERT_SCALAR"] if scalar else []) + (SANITIZE if sanitize else [])
     key = hashlib.sha256(src + " ".join(flags).encode() + sys.version.encode()).hexdigest()[:16]
     out = _cache_dir() / f"kvcert_fused_{key}.so"
     if out.exists():
@@ -166,7 +176,7 @@ def build(verbose=False, scalar=False):
 
 def _lib(scalar=False):
     if scalar not in _LIB:
-        lib = ctypes.CDLL(str(build(scalar=scalar)))
+        lib = ctypes.CDLL(str(build(scalar=scalar, sanitize=sanitized())))
         lib.kvcert_fused_run.argtypes = [ctypes.POINTER(_Args)]
         lib.kvcert_fused_run.restype = None
         lib.kvcert_exp_check.argtypes = [ctypes.c_float, ctypes.POINTER(ctypes.c_double), ctypes.c_int]
@@ -241,8 +251,8 @@ def _run(q, qpos, segs, s, bands, ngk, ngv, certify, lut=None, scalar=False, out
     """Call the kernel. q [B, T, H, D] fp32 contiguous; qpos [B, T] int32; segs: two results of seg();
     bands [NB, W] int64 contiguous. Returns out [B, T, H, D] fp32 (written into `out` when given: fp32,
     contiguous, that shape), stats [B, T, H, 5] fp64 (Z, S1, S2, max c^, e). NaN/Inf: ValueError."""
-    B, T, H, D = q.shape
-    NB, W = bands.shape
+    B, T, H, D, NB = _check_run(q, qpos, segs, s, bands, ngk, ngv, certify, lut)
+    W = bands.shape[1]
     if out is None:
         out = torch.empty(B, T, H, D, dtype=torch.float32)
     elif out.dtype != torch.float32 or out.shape != q.shape or not out.is_contiguous():
@@ -261,6 +271,52 @@ def _run(q, qpos, segs, s, bands, ngk, ngv, certify, lut=None, scalar=False, out
     if not math.isfinite(nan_v):
         raise ValueError("v: NaN/Inf in the value cache")
     return out, stats
+
+
+def _check_run(q, qpos, segs, s, bands, ngk, ngv, certify, lut):
+    """_run's inputs against each other (the segments are checked on their own by seg / paged_seg): every
+    shape, count and index the kernel trusts. Returns B, T, H, D, NB."""
+    if not (isinstance(q, torch.Tensor) and q.dtype == torch.float32 and q.dim() == 4 and q.is_contiguous()
+            and q.device.type == "cpu" and min(q.shape) >= 1):
+        raise ValueError(f"q: fp32 contiguous CPU [B, T, H, D], got {getattr(q, 'dtype', q)} {tuple(getattr(q, 'shape', ()))}")
+    B, T, H, D = q.shape
+    _check_head_dim(D)
+    if len(segs) != 2 or any(not isinstance(sg, dict) or "c" not in sg for sg in segs):
+        raise ValueError("segs: two results of seg() / paged_seg()")
+    Hkv = segs[0]["Hkv"]
+    if segs[1]["Hkv"] != Hkv or H % Hkv:
+        raise ValueError(f"segs: KV heads {segs[0]['Hkv']}, {segs[1]['Hkv']} must agree and divide H = {H}")
+    n0, n1 = segs[0]["c"].n, segs[1]["c"].n
+    if n0 + n1 < 1:
+        raise ValueError("segs: no tokens")
+    for i, sg in enumerate(segs):
+        if sg["c"].n and (sg["B"] != B or sg["D"] != D):
+            raise ValueError(f"segment {i}: batch {sg['B']} and head size {sg['D']}, the query has {B} and {D}")
+    if n1 and (segs[1]["c"].is_int8 or segs[1]["c"].rho or segs[1]["c"].bs):
+        raise ValueError("segment 1: exact fp32 rows only (read with c = 0; no codes, witness or block table)")
+    if (ngk, ngv) != (segs[0]["ng"] if n0 else (1, 1)):
+        raise ValueError(f"ngk, ngv = {(ngk, ngv)}: segment 0 holds {segs[0]['ng'] if n0 else (1, 1)} scale groups")
+    if not (isinstance(qpos, torch.Tensor) and qpos.dtype == torch.int32 and tuple(qpos.shape) == (B, T)
+            and qpos.is_contiguous() and qpos.device.type == "cpu"):
+        raise ValueError(f"qpos: int32 contiguous CPU {(B, T)}, got {getattr(qpos, 'dtype', qpos)} {tuple(getattr(qpos, 'shape', ()))}")
+    if not (isinstance(bands, torch.Tensor) and bands.dtype == torch.int64 and bands.dim() == 2 and bands.is_contiguous()
+            and bands.device.type == "cpu" and min(bands.shape) >= 1):
+        raise ValueError("bands: int64 contiguous CPU [NB, W]")
+    lo, hi = torch.aminmax(bands)
+    if int(lo) < 0 or int(hi) >= D:
+        raise ValueError(f"bands: coordinate indices must lie in [0, {D})")
+    NB = bands.shape[0]
+    if certify and n0:
+        if segs[0]["NB"] is None:
+            raise ValueError("segment 0: certify needs its witness (rho None would be read as c = 0)")
+        if segs[0]["NB"] != NB:
+            raise ValueError(f"segment 0: witness of {segs[0]['NB']} bands, bands has {NB}")
+        if segs[0]["c"].rho_u8 and not (isinstance(lut, torch.Tensor) and lut.dtype == torch.float32
+                                        and tuple(lut.shape) == (256,) and lut.is_contiguous() and lut.device.type == "cpu"):
+            raise ValueError("lut: the fp32 [256] contiguous log table (fast.core.witness._log_table) for uint8 witness codes")
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not (math.isfinite(s) and s > 0):
+        raise ValueError(f"s: a finite real number > 0, got {s!r}")
+    return B, T, H, D, NB
 
 
 def _chunk(N):
@@ -292,7 +348,8 @@ def _epi_const(NB, N, D):
 
 def _certificate(stats, NB, N, D):
     """The fp32 certificate dict [B, T, H] from the kernel stats [B, T, H, 5]
-    (fast.core.certify.forms_from_pmz), or None when a row needs the twin's fp64 terms. In C++
+    (fast.core.certify.forms_from_pmz), or None when a row needs the twin's fp64 terms (a large witness, or a
+    NaN sum: w = 0 times a c that overflowed fp32 at a token the row does not read). In C++
     (csrc: epilogue, the numpy code's operations in its order; tests/test_cpu_fused.py compares them),
     else _certificate_numpy."""
     try:
@@ -311,6 +368,8 @@ def _certificate_numpy(stats, NB, N, D):
     """_certificate in numpy: the readable statement of the epilogue (and the fallback)."""
     B, T, H, _ = stats.shape
     st = stats.numpy().reshape(B * T, H, 5)
+    if np.isnan(st).any():  # 0 * inf in a sum (an unread token whose c overflowed fp32): the twin's fp64 terms
+        return None
     e = st[..., 4]
     sums, cm = _sums_to_pmz(st[..., :4], NB, N)
     if float(cm.max()) + 2 * float(e.max()) >= CMAX32:
@@ -334,39 +393,81 @@ def _strides(t, name):
     return t.data_ptr(), st[0] if shape[0] > 1 else 0, st[1] if shape[1] > 1 else 0
 
 
+def _check_block(name, t, dtypes, shape, bcast=False):
+    """t: a CPU tensor of one of dtypes with exactly `shape` (None: any size >= 1; bcast: size 1 allowed in the
+    first two dims, read with stride 0) whose [N, ...] blocks are contiguous: what the kernel indexes blindly."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes or t.device.type != "cpu":
+        raise ValueError(f"{name}: a CPU tensor of {[str(d) for d in dtypes]}, got {t.dtype} on {t.device}")
+    ok = t.dim() == len(shape) and all(
+        (x == w if w is not None else x >= 1) or (bcast and i < 2 and x == 1) for i, (x, w) in enumerate(zip(t.shape, shape)))
+    if not ok:
+        raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {shape} (None: any size >= 1)")
+    return _strides(t, name)
+
+
+def _check_head_dim(D):
+    if D < 8 or D % 8 or D > 512:
+        raise ValueError(f"head size D = {D}: the kernel needs a multiple of 8 in [8, 512]")
+
+
 def seg(Hkv, n, *, k=None, v=None, k_scales=None, v_scales=None, rho=None, valid=None, exact=None, pos=None):
-    """One kernel segment: keys/values int8 codes (+ fp16 scales [.., N, ng]) or fp32 rows [B, Hkv, N, D];
-    rho [B, Hkv, N, NB] uint8 log codes or fp32 (None: c = 0, exact tokens); valid / exact uint8
-    [B, Hkv, N] (stride 0 broadcasts); pos int32 [B, Hkv, N] (None: storage index). Tensors are kept
-    alive by the returned dict."""
+    """One kernel segment: keys/values int8 codes (+ fp16 scales [.., N, ng], ng dividing D; int16 views of
+    them accepted) or fp32 rows [B, Hkv, N, D]; rho [B, Hkv, N, NB] uint8 log codes or fp32 (None: c = 0,
+    exact tokens); valid / exact uint8 or bool [B, Hkv, N] (size 1 or stride 0 broadcasts in B, Hkv); pos
+    int32 [B, Hkv, N] (None: storage index). Every shape, dtype, stride and count the kernel trusts is
+    checked here (ValueError); _run checks the segments against the query. Tensors are kept alive by the
+    returned dict."""
+    if isinstance(Hkv, bool) or not isinstance(Hkv, int) or Hkv < 1 or isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"seg: Hkv >= 1 and n >= 0 integers, got {Hkv!r}, {n!r}")
     c = _Seg()
     c.n = n
     keep = {"Hkv": Hkv, "c": c}
     if n == 0:
         return keep
+    if k is None or v is None:
+        raise ValueError("seg: keys and values are required for n > 0")
+    B, D = (k.shape[0], k.shape[3]) if isinstance(k, torch.Tensor) and k.dim() == 4 else (0, 0)
     for name, t in (("k", k), ("v", v)):
-        if t.dtype == torch.int8:
-            c.is_int8 = 1
-        elif t.dtype != torch.float32:
-            raise ValueError(f"{name}: int8 codes or fp32 rows, got {t.dtype}")
-        p, sb, sh = _strides(t, name)
+        p, sb, sh = _check_block(name, t, (torch.int8, torch.float32), (B, Hkv, n, D))
         setattr(c, name, p)
         setattr(c, f"{name}_sb", sb)
         setattr(c, f"{name}_sh", sh)
         keep[name] = t
-    if (k.dtype == torch.int8) != (v.dtype == torch.int8):
+    _check_head_dim(D)
+    if k.dtype != v.dtype:
         raise ValueError("k and v: both int8 codes or both fp32 rows")
+    c.is_int8 = int(k.dtype == torch.int8)
+    ng = [1, 1]
+    if c.is_int8:
+        for i, (name, t) in enumerate((("k_scales", k_scales), ("v_scales", v_scales))):
+            if t is None:
+                raise ValueError(f"{name}: int8 codes need their fp16 scales")
+            _check_block(name, t, (torch.float16, torch.int16), (B, Hkv, n, None))
+            ng[i] = t.shape[-1]
+            if D % ng[i]:
+                raise ValueError(f"{name}: {ng[i]} groups do not divide the head size {D}")
+        k_scales, v_scales = k_scales.view(torch.int16), v_scales.view(torch.int16)
+    elif k_scales is not None or v_scales is not None:
+        raise ValueError("k_scales / v_scales: only for int8 codes")
+    keep["B"], keep["D"], keep["ng"] = B, D, tuple(ng)
+    checks = {"ks": ((torch.int16,), (B, Hkv, n, None), False), "vs": ((torch.int16,), (B, Hkv, n, None), False),
+              "rho": ((torch.uint8, torch.float32), (B, Hkv, n, None), False),
+              "valid": ((torch.uint8, torch.bool), (B, Hkv, n), True), "exact": ((torch.uint8, torch.bool), (B, Hkv, n), True),
+              "pos": ((torch.int32,), (B, Hkv, n), True)}
     for name, t, f in (("ks", k_scales, "ks"), ("vs", v_scales, "vs"), ("rho", rho, "r"),
                        ("valid", valid, "va"), ("exact", exact, "ex"), ("pos", pos, "p")):
         if t is None:
             continue
-        p, sb, sh = _strides(t, name)
+        p, sb, sh = _check_block(name, t, *checks[name])
         setattr(c, name, p)
         setattr(c, f"{f}_sb", sb)
         setattr(c, f"{f}_sh", sh)
         keep[name] = t
     if rho is not None:
         c.rho_u8 = int(rho.dtype == torch.uint8)
+    keep["NB"] = None if rho is None else rho.shape[-1]
     return keep
 
 
@@ -377,23 +478,31 @@ def paged_seg(n, *, k, v, rho, table, k_transposed):
     (checked against num_blocks: the kernel trusts it). Tokens 0..n-1 of sequence b are its positions.
     The cache tensors' checks depend only on their dtypes, shapes and strides: memoized on those (and
     the data pointers), a serving loop pays them once per cache, the table check every call."""
-    if v.dim() != 4:
-        raise ValueError(f"v: fp32 [num_blocks, Hkv, bs, D], got {tuple(v.shape)}")
+    if not isinstance(v, torch.Tensor) or v.dim() != 4 or min(v.shape) < 1:
+        raise ValueError(f"v: fp32 [num_blocks, Hkv, bs, D], got {getattr(v, 'shape', v)}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"paged_seg: n must be an integer >= 0, got {n!r}")
     nb, Hkv, bs = v.shape[0], v.shape[1], v.shape[2]
+    _check_head_dim(v.shape[3])
     if n == 0:
         return {"Hkv": Hkv, "c": _Seg()}
-    base = _paged_base(*(None if t is None else (t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) for t in (k, v, rho)),
-                       k_transposed)
+    for name, t in (("k", k), ("rho", rho), ("table", table)):
+        if (t is not None or name != "rho") and not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a tensor, got {type(t).__name__}")
+    base = _paged_base(*(None if t is None else (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.device.type)
+                         for t in (k, v, rho)), bool(k_transposed))
     c = _Seg.from_buffer_copy(base)
     c.n = n
     need = -(-n // bs)
-    if table.dtype != torch.int32 or table.dim() != 2 or table.shape[1] < need or table.stride(1) != 1:
-        raise ValueError(f"table: int32 [B, >= {need}] with unit stride, got {table.dtype} {tuple(table.shape)}")
+    if (table.dtype != torch.int32 or table.dim() != 2 or table.shape[0] < 1 or table.shape[1] < need or table.stride(1) != 1
+            or table.device.type != "cpu"):
+        raise ValueError(f"table: int32 [B, >= {need}] with unit stride on the CPU, got {table.dtype} {tuple(table.shape)}")
     lo, hi = torch.aminmax(table[:, :need])
     if int(lo) < 0 or int(hi) >= nb:
         raise ValueError(f"table: block ids must lie in [0, {nb})")
     c.table, c.tb_sb = table.data_ptr(), table.stride(0)
-    return {"Hkv": Hkv, "c": c, "k": k, "v": v, "rho": rho, "table": table}
+    return {"Hkv": Hkv, "c": c, "k": k, "v": v, "rho": rho, "table": table, "B": table.shape[0], "D": v.shape[3], "ng": (1, 1),
+            "NB": None if rho is None else rho.shape[3]}
 
 
 @functools.lru_cache(maxsize=64)
@@ -406,9 +515,10 @@ def _paged_base(k, v, rho, k_transposed):
     for name, t, shape in (("k", k, want_k), ("v", v, (nb, Hkv, bs, D)), ("rho", rho, (nb, Hkv, bs, None))):
         if t is None:
             continue
-        ptr, dtype, tshape, st = t
-        if dtype != torch.float32 or len(tshape) != 4 or any(w is not None and x != w for x, w in zip(tshape, shape)):
-            raise ValueError(f"{name}: fp32 {shape} (None: any), got {dtype} {tshape}")
+        ptr, dtype, tshape, st, dev = t
+        if (dtype != torch.float32 or dev != "cpu" or len(tshape) != 4 or tshape[3] < 1
+                or any(w is not None and x != w for x, w in zip(tshape, shape))):
+            raise ValueError(f"{name}: fp32 {shape} on the CPU (None: any), got {dtype} {tshape} on {dev}")
         if st[3] != 1 or st[2] != tshape[3]:
             raise ValueError(f"{name}: each (block, head) slab must be contiguous")
         field = {"k": "k", "v": "v", "rho": "r"}[name]
@@ -425,20 +535,31 @@ def paged_witness(key, kt, slots, rho, bands):
     them (kt [num_blocks, Hkv, D, bs] fp32, each (block, head) slab contiguous: vLLM's CPU layout) into
     rho [num_blocks, Hkv, bs, NB] fp32 at slots [n] int64 (< 0: skipped): fast.core.witness.witness op for op
     in C++ (csrc: kvcert_paged_witness), nonzero values below RHO_MIN raised to it. NaN/Inf: ValueError."""
+    ts = (("key", key, 3), ("kt", kt, 4), ("slots", slots, 1), ("rho", rho, 4), ("bands", bands, 2))
+    for name, t, nd in ts:
+        if not isinstance(t, torch.Tensor) or t.dim() != nd or t.device.type != "cpu":
+            raise ValueError(f"paged_witness: {name} must be a {nd}-dim CPU tensor, got {getattr(t, 'shape', type(t).__name__)}")
     n, Hkv, D = key.shape
     nb, bs = kt.shape[0], kt.shape[3]
     NB, W = bands.shape
     if key.dtype != torch.float32 or kt.dtype != torch.float32 or rho.dtype != torch.float32:
         raise ValueError("paged_witness: fp32 keys, cache and witness")
-    if tuple(kt.shape[1:3]) != (Hkv, D) or kt.stride(3) != 1 or kt.stride(2) != bs:
+    if tuple(kt.shape[1:3]) != (Hkv, D) or kt.stride(3) != 1 or kt.stride(2) != bs or bs < 1:
         raise ValueError(f"paged_witness: cache {tuple(kt.shape)} does not hold [.., {Hkv}, {D}, bs] slabs")
     if tuple(rho.shape) != (nb, Hkv, bs, NB) or not rho.is_contiguous() or D > 512:
         raise ValueError(f"paged_witness: witness {tuple(rho.shape)} != ({nb}, {Hkv}, {bs}, {NB})")
-    if slots.numel() != n or (n and int(slots.max()) >= nb * bs):
-        raise ValueError(f"paged_witness: {slots.numel()} slots for {n} keys, or a slot beyond {nb * bs}")
+    if bands.dtype not in (torch.int64, torch.int32) or NB * W < 1:
+        raise ValueError(f"paged_witness: bands must be integer [NB, W], got {bands.dtype} {tuple(bands.shape)}")
+    lo, hi = torch.aminmax(bands)
+    if int(lo) < 0 or int(hi) >= D:
+        raise ValueError(f"paged_witness: band indices must lie in [0, {D}), got [{int(lo)}, {int(hi)}]")
+    if slots.dtype not in (torch.int64, torch.int32) or slots.numel() != n or (n and int(slots.max()) >= nb * bs):
+        raise ValueError(f"paged_witness: {slots.numel()} integer slots for {n} keys, or a slot beyond {nb * bs}")
     key, slots, bands = key.contiguous(), slots.to(torch.int64).contiguous(), bands.to(torch.int64).contiguous()
     bad = _lib().kvcert_paged_witness(key.data_ptr(), n, Hkv, D, kt.data_ptr(), kt.stride(0), kt.stride(1), bs,
                                       slots.data_ptr(), bands.data_ptr(), NB, W, _band_margin(W), RHO_MIN, rho.data_ptr())
+    if bad < 0:
+        raise ValueError("paged_witness: the kernel refused the bands or the head size")
     if bad:
         raise ValueError(f"paged_witness: {bad} key rows hold NaN/Inf (exact or stored): nothing certified for them")
 
@@ -456,6 +577,24 @@ def _supported(k, v, v_err):
     return k.device.type == "cpu" and k.dtype == torch.float32 and v.dtype == torch.float32
 
 
+def _check_qtensor(name, t):
+    """A QTensor the kernel reads: int8 codes [B, Hkv, N, D] and fp16 scales [B, Hkv, N, ng], ng dividing D,
+    on the CPU (a fp32 scale would be read as two fp16 halves, a group count off D leaves channels unset,
+    scales for fewer tokens than codes are read past their end). Float caches: nothing to check here."""
+    if not isinstance(t, QTensor):
+        return
+    c, sc = t.codes, t.scales
+    if not (isinstance(c, torch.Tensor) and c.dtype == torch.int8 and c.dim() == 4 and c.device.type == "cpu"):
+        raise ValueError(f"{name}: int8 QTensor codes must be an int8 CPU tensor [B, Hkv, N, D], got "
+                         f"{getattr(c, 'dtype', c)} {tuple(getattr(c, 'shape', ()))}")
+    if not (isinstance(sc, torch.Tensor) and sc.dtype == torch.float16 and sc.dim() == 4 and sc.device.type == "cpu"):
+        raise ValueError(f"{name}: int8 QTensor scales must be an fp16 CPU tensor [B, Hkv, N, ng], got "
+                         f"{getattr(sc, 'dtype', sc)} {tuple(getattr(sc, 'shape', ()))}")
+    if tuple(sc.shape[:3]) != tuple(c.shape[:3]) or sc.shape[3] < 1 or c.shape[3] % sc.shape[3]:
+        raise ValueError(f"{name}: scales {tuple(sc.shape)} do not fit codes {tuple(c.shape)} (one row of ng groups per "
+                         "token, ng dividing D)")
+
+
 def attention_rows(q, k, v, rho, scale, *, bands, q_pos, k_pos=None, valid=None, exact=None, certify=True, v_err=None):
     """fast.core.attention.attention_rows (same arguments, same result up to fp32 rounding of the
     output; certificate >= the exact formula, see module doc) through the fused kernel; inputs it
@@ -465,6 +604,8 @@ def attention_rows(q, k, v, rho, scale, *, bands, q_pos, k_pos=None, valid=None,
         return ref.attention_rows(q, k, v, rho, scale, bands=bands, q_pos=q_pos, k_pos=k_pos, valid=valid,
                                   exact=exact, certify=certify, v_err=v_err, backend="torch")
     _checks.tensor("q", q, ndim=4, dtypes=ref.IN_DTYPES)
+    for name, t in (("k", k), ("v", v)):
+        _check_qtensor(name, t)
     B, T, H, D = q.shape
     if T == 0:
         raise ValueError("q: no query rows (T = 0)")
@@ -495,7 +636,7 @@ def attention_rows(q, k, v, rho, scale, *, bands, q_pos, k_pos=None, valid=None,
     pos = None if k_pos is None else k_pos.to(torch.int32).contiguous().view(B, 1, N).expand(B, Hkv, N)
     if isinstance(k, QTensor):
         kc, vc = k.codes.contiguous(), v.codes.contiguous()
-        ks, vs = k.scales.contiguous().view(torch.int16), v.scales.contiguous().view(torch.int16)
+        ks, vs = k.scales.contiguous(), v.scales.contiguous()  # fp16 (seg checks them)
         ngk, ngv = ks.shape[-1], vs.shape[-1]
     else:
         kc, vc, ks, vs, ngk, ngv = k.contiguous(), v.contiguous(), None, None, 1, 1

@@ -12,8 +12,11 @@ from fast.core import _checks
 from fast.core.certify import U64, band_norms_up, gamma, up32, up64
 
 IN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# The uint8 log code: code 0 is exactly 0, code i >= 1 is 2^((i - LOG_ZERO) / LOG_STEPS)
-# rounded up to fp32: 8 codes per octave (at most 9% above the true value), from ~1e-6 to ~3.8e3.
+# The uint8 log code: code 0 is exactly 0, code i in [1, 254] is 2^((i - LOG_ZERO) / LOG_STEPS)
+# rounded up to fp32: 8 codes per octave (at most 9% above the true value), from ~1e-6 to ~3.4e3.
+# Code 255 is reserved: the largest finite fp32 (>= any finite fp32 witness), so a witness above code 254
+# is stored soundly rounded up (its bound is vacuous) instead of failing in the middle of a request.
+TOP_CODE = 255
 LOG_STEPS = 8
 LOG_ZERO = 160
 
@@ -82,24 +85,25 @@ def _log_table(device):
     i = torch.arange(256, dtype=torch.float64)
     table = up32(torch.exp2((i - LOG_ZERO) / LOG_STEPS) * (1 + 8 * U64))  # exp2: <= 2 ulp, 8 u64 covers it
     table[0] = 0.0
+    table[TOP_CODE] = torch.finfo(torch.float32).max
     return table.to(device)
 
 
 def max_packable():
-    return float(_log_table("cpu")[255])
+    """The largest witness a regular code holds (code 254, ~3.4e3); above it: the reserved top code."""
+    return float(_log_table("cpu")[TOP_CODE - 1])
 
 
 def pack_witness(rho):
     """uint8 log codes with unpack_witness(code) >= rho elementwise (1 byte per band).
 
-    rho > max_packable() (~3.8e3) -> ValueError (it cannot be stored soundly).
+    rho > max_packable() (~3.4e3) -> the reserved top code (the largest fp32: a vacuous, sound bound).
+    NaN, Inf or a negative rho -> ValueError (the witness computation failed: nothing is >= it).
     """
     _checks.tensor("rho", rho, dtypes=IN_DTYPES)
     _checks.nonneg_finite("rho", rho)
     table = _log_table(rho.device)
     r = rho.to(torch.float32)
-    if bool((r > table[255]).any()):
-        raise ValueError(f"rho: a witness exceeds the largest log code {float(table[255])}")
     return torch.searchsorted(table, r.contiguous(), right=False).to(torch.uint8)  # first table[i] >= r
 
 

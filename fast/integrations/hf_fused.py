@@ -54,6 +54,17 @@ def _positions(n):
     return _POS[0][:n]
 
 
+def _repeats(idx, on):
+    """[B, Hkv, E] bool: entry e repeats an earlier switched-on entry of the same token. After keep_tokens the
+    overlay of a head that keeps fewer entries is padded with switched-on duplicates (hf_cache
+    _remap_overlay: served() scatters them into one slot); the kernel reads each entry as a token of its
+    own, so only the first of each token stays on (the attention over the cache's tokens, each once)."""
+    E = idx.shape[2]
+    same = (idx[..., :, None] == idx[..., None, :]) & on[..., None, :]  # [B, Hkv, e, e']
+    earlier = torch.ones(E, E, dtype=torch.bool, device=idx.device).tril(-1)  # e' < e
+    return (same & earlier).any(3)
+
+
 class FusedLayer(CertifiedLayer):
     def _flush(self, everything=False):
         """Quantize window leavers in blocks of FLUSH_BLOCK tokens, not one per step: the tail keeps
@@ -95,7 +106,7 @@ class FusedLayer(CertifiedLayer):
             on = self.ex_on
             if E:
                 in_q = self.ex_idx < nq  # overlay tokens still in the tail are read from the tail
-                on = on & in_q & self.valid.gather(2, self.ex_idx)
+                on = on & in_q & self.valid.gather(2, self.ex_idx) & ~_repeats(self.ex_idx, on)
             on_u8, ex_pos = on.view(u8).contiguous(), self.ex_idx.to(torch.int32)
             if nq:
                 kq, vq = self.kq.qt, self.vq.qt

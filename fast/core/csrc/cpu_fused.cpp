@@ -80,32 +80,39 @@ inline float kv_exp(float x) {
     p = std::fma(p, r, 0.5f);
     p = std::fma(p, r, 1.0f);
     p = std::fma(p, r, 1.0f);
-    int32_t bits = ((int32_t)fn + 127) << 23;
+    // 2^fn by the exponent field: fn in [-126, 0] for x in [X_MIN, 0]. A NaN x (the error path: the logit flag
+    // reports it; the result is 0 there) gives a NaN fn: the range is checked before the conversion
+    const uint32_t e = (fn >= -126.0f && fn <= 127.0f) ? (uint32_t)((int32_t)fn + 127) : 127u;
+    const uint32_t bits = e << 23;
     float scale;
     std::memcpy(&scale, &bits, 4);
     float y = p * scale;
     return x >= X_MIN ? y : 0.0f;
 }
 
-// The witness log table (fast.core.witness._log_table) is a power grid: lut[0] = 0 and, for code i >= 1,
+// The witness log table (fast.core.witness._log_table) is a power grid: lut[0] = 0 and, for code i in [1, 254],
 // lut[i] = lut[160 + i % 8] * 2^(i / 8 - 20) exactly (every entry normal), so a code decodes in registers:
-// the 8-entry mantissa table by permute, the exponent added to the bits. lut_is_grid checks that every
-// entry is exactly what this decode gives (else the kernel uses the table gather); same bits either way.
+// the 8-entry mantissa table by permute, the exponent added to the bits; the reserved top code 255 is the
+// largest fp32 (TOP_BITS: >= any finite witness), selected by a compare. lut_is_grid checks that every entry
+// is exactly what this decode gives (else the kernel uses the table gather); same bits either way.
+constexpr uint32_t TOP_BITS = 0x7f7fffffu;
 inline uint32_t grid_bits(const float* lut, int i) {
     uint32_t m;
     std::memcpy(&m, &lut[160 + i % 8], 4);
-    return m + (uint32_t)((i / 8 - 20) << 23);
+    return m + ((uint32_t)(i / 8) << 23) - (20u << 23);  // unsigned, wrapping: the bits of m + (i / 8 - 20) 2^23
 }
 
 inline bool lut_is_grid(const float* lut) {
     if (!lut || lut[0] != 0.0f) return false;
-    for (int i = 1; i < 256; ++i) {
+    for (int i = 1; i < 255; ++i) {
         uint32_t t;
         std::memcpy(&t, &lut[i], 4);
         const uint32_t e = (t >> 23) & 0xffu;
         if (e == 0 || e == 0xffu || t != grid_bits(lut, i)) return false;
     }
-    return true;
+    uint32_t top;
+    std::memcpy(&top, &lut[255], 4);
+    return top == TOP_BITS;
 }
 
 inline float half_to_float(uint16_t h) {
@@ -549,6 +556,7 @@ void run(const Args& a) {
             if (sg.rho && sg.rho_u8 && NB == 8) {
                 const __m256 mant = _mm256_loadu_ps(a.lut + 160);
                 const __m256i bias = _mm256_set1_epi32(20), zero = _mm256_setzero_si256();
+                const __m256i top = _mm256_set1_epi32((int)TOP_BITS), c255 = _mm256_set1_epi32(255);
                 if (grid && (!sg.bs || sg.bs % 8 == 0)) {
                     // the 8 tokens' 64 code bytes are adjacent (j % 8 == 0, one block): transpose the bytes to
                     // band-major (pshufb pairs two tokens per 128-bit lane, 16-bit unpacks pair four, a dword
@@ -578,7 +586,8 @@ void run(const Args& a) {
                         for (int k = 0; k < 8; ++k) {
                             const __m128i w = qw[k / 2];
                             const __m256i ci = _mm256_cvtepu8_epi32(k % 2 ? _mm_unpackhi_epi64(w, w) : w);
-                            const __m256i v = _mm256_add_epi32(_mm256_permutevar8x32_epi32(madj, ci), _mm256_slli_epi32(ci, 20));
+                            const __m256i v = _mm256_blendv_epi8(_mm256_add_epi32(_mm256_permutevar8x32_epi32(madj, ci), _mm256_slli_epi32(ci, 20)),
+                                                                 top, _mm256_cmpeq_epi32(ci, c255));
                             const __m256i z = sg.exact ? _mm256_or_si256(_mm256_cmpeq_epi32(ci, zero), exm) : _mm256_cmpeq_epi32(ci, zero);
                             _mm256_storeu_ps(dst + k * L, _mm256_castsi256_ps(_mm256_andnot_si256(z, v)));
                         }
@@ -592,10 +601,10 @@ void run(const Args& a) {
                         const __m256i ci = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)rc));
                         if (ex) {
                             x[t] = _mm256_setzero_ps();
-                        } else if (grid) {  // lut[ci] = mant[ci % 8] 2^(ci / 8 - 20); 0 at code 0
+                        } else if (grid) {  // lut[ci] = mant[ci % 8] 2^(ci / 8 - 20); 0 at code 0, TOP_BITS at 255
                             const __m256 m = _mm256_permutevar8x32_ps(mant, ci);  // uses the low 3 bits
                             const __m256i e = _mm256_slli_epi32(_mm256_sub_epi32(_mm256_srli_epi32(ci, 3), bias), 23);
-                            const __m256i v = _mm256_add_epi32(_mm256_castps_si256(m), e);
+                            const __m256i v = _mm256_blendv_epi8(_mm256_add_epi32(_mm256_castps_si256(m), e), top, _mm256_cmpeq_epi32(ci, c255));
                             x[t] = _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_cmpeq_epi32(ci, zero), v));
                         } else {
                             x[t] = _mm256_i32gather_ps(a.lut, ci, 4);
@@ -768,6 +777,9 @@ int epilogue(const double* st, int64_t rows, const EpiConst& k, float* out) {
     std::vector<double> cmv((size_t)rows);
     double cmx = -INFINITY, ex = -INFINITY;
     for (int64_t i = 0; i < rows; ++i) {
+        // a NaN sum (0 * inf: a token a row does not read, whose c overflowed fp32, e.g. the top log code): the twin
+        for (int c = 0; c < 5; ++c)
+            if (std::isnan(st[i * 5 + c])) return 0;
         cmv[i] = up(up(st[i * 5 + 3] * k.f) * k.up_);
         cmx = nmax(cmx, cmv[i]);
         ex = nmax(ex, st[i * 5 + 4]);
@@ -902,10 +914,14 @@ float kvcert_exp_one(float x) { return kv_exp(x); }
 // cast to fp32 rounded up; a nonzero result below rho_min raised to rho_min (still a witness). key [n, Hkv, D]
 // fp32; the stored key of slot s in block s / bs, offset s % bs: kt + blk * k_sb + h * k_sh + d * bs + off
 // (keys [D, bs] per block, vLLM's CPU cache); slots < 0 are skipped; rho [blocks, Hkv, bs, NB] contiguous.
-// Returns the number of non-finite keys or stored keys met (the caller raises; nothing is written for them).
+// Returns the number of non-finite keys or stored keys met (the caller raises; nothing is written for them), or
+// -1 (nothing written) when D > 512 or a band index lies outside [0, D) (cpu_fused.paged_witness checks both first).
 int64_t kvcert_paged_witness(const float* key, int64_t n, int64_t Hkv, int64_t D, const float* kt, int64_t k_sb,
                              int64_t k_sh, int64_t bs, const int64_t* slots, const int64_t* bands, int64_t NB, int64_t W,
                              double margin, float rho_min, float* rho) {
+    if (D > 512 || bs < 1) return -1;
+    for (int64_t i = 0; i < NB * W; ++i)
+        if (bands[i] < 0 || bands[i] >= D) return -1;
     int64_t bad = 0;
     for (int64_t i = 0; i < n; ++i) {
         const int64_t sl = slots[i];
