@@ -52,14 +52,39 @@ def _e(p, a, b, Btot, u, lam):
     return u - lam * u * Btot[:, None] + (lam[..., None] * w - p[:, None, :]).clamp(min=0).sum(-1)
 
 
-def _terms(p, a, b, Btot, U, lam):
-    """Per-interval bound [R, K - 1]: min over lambda in {lam_k, lam_{k+1}} of the larger end value."""
-    u0, u1 = U[:, :-1], U[:, 1:]
-    best = u1.clone()  # lambda = 0
-    for lk in (lam[:, :-1], lam[:, 1:]):
-        t = torch.maximum(_e(p, a, b, Btot, u0, lk), _e(p, a, b, Btot, u1, lk))
-        best = torch.minimum(best, t)
+def _terms(p, a, b, Btot, u0, u1, l0, l1):
+    """Per-interval bound [R, M] for intervals [u0, u1] with the lambdas l0, l1 of their ends:
+    min over lambda in {0, l0, l1} of max(e(u0, lambda), e(u1, lambda)) (lambda = 0 gives u1)."""
+    best = u1.clone()
+    for lk in (l0, l1):
+        best = torch.minimum(best, torch.maximum(_e(p, a, b, Btot, u0, lk), _e(p, a, b, Btot, u1, lk)))
     return best
+
+
+def grid_search(p, a, b, Btot, rounds=ROUNDS):
+    """The intervals (u0, u1, l0, l1) [R, M] of the refined grid, their terms [R, M] and the lower
+    estimate [R]. The intervals of each row partition [0, 1] (unordered)."""
+    R = p.shape[0]
+    U = torch.linspace(0, 1, GRID0, dtype=p.dtype, device=p.device).expand(R, -1).contiguous()
+    lam, f = _greedy(p, a, b, Btot, U)
+    lower = f.amax(-1)
+    u0, u1, l0, l1 = U[:, :-1], U[:, 1:], lam[:, :-1], lam[:, 1:]
+    T = _terms(p, a, b, Btot, u0, u1, l0, l1)
+    frac = torch.arange(1, SPLIT, dtype=p.dtype, device=p.device) / SPLIT
+    for _ in range(rounds):
+        k = T.argmax(-1, keepdim=True)
+        a0, a1, m0, m1 = (t.gather(1, k) for t in (u0, u1, l0, l1))
+        new = a0 + (a1 - a0) * frac  # [R, SPLIT - 1]
+        ln, fn = _greedy(p, a, b, Btot, new)
+        lower = torch.maximum(lower, fn.amax(-1))
+        su = torch.cat([a0, new, a1], 1)
+        sl = torch.cat([m0, ln, m1], 1)
+        st = _terms(p, a, b, Btot, su[:, :-1], su[:, 1:], sl[:, :-1], sl[:, 1:])
+        keep = torch.ones_like(T, dtype=torch.bool).scatter_(1, k, False)
+        M = T.shape[1] - 1
+        u0, u1, l0, l1, T = (torch.cat([x[keep].view(R, M), y], 1) for x, y in
+                             ((u0, su[:, :-1]), (u1, su[:, 1:]), (l0, sl[:, :-1]), (l1, sl[:, 1:]), (T, st)))
+    return (u0, u1, l0, l1), T, lower
 
 
 def box_bounds(p, lo, hi, rounds=ROUNDS):
@@ -72,19 +97,5 @@ def box_bounds(p, lo, hi, rounds=ROUNDS):
     shift = ((lo + hi) * 0.5 * p).sum(-1, keepdim=True)  # the bound is unchanged by a common shift
     a = p * torch.exp(hi - shift)
     b = p * torch.exp(lo - shift)
-    Btot = b.sum(-1)
-    R = p.shape[0]
-    U = torch.linspace(0, 1, GRID0, dtype=p.dtype, device=p.device).expand(R, -1).contiguous()
-    lam, f = _greedy(p, a, b, Btot, U)
-    lower = f.amax(-1)
-    frac = torch.arange(1, SPLIT, dtype=p.dtype, device=p.device) / SPLIT
-    for _ in range(rounds):
-        k = _terms(p, a, b, Btot, U, lam).argmax(-1, keepdim=True)
-        u0, u1 = U.gather(1, k), U.gather(1, k + 1)
-        new = u0 + (u1 - u0) * frac  # [R, SPLIT - 1]
-        ln, fn = _greedy(p, a, b, Btot, new)
-        lower = torch.maximum(lower, fn.amax(-1))
-        U, idx = torch.cat([U, new], 1).sort(-1)
-        lam = torch.cat([lam, ln], 1).gather(1, idx)
-    upper = _terms(p, a, b, Btot, U, lam).amax(-1)
-    return lower.clamp(min=0), upper
+    _, T, lower = grid_search(p, a, b, b.sum(-1), rounds)
+    return lower.clamp(min=0), T.amax(-1)
