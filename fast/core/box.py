@@ -19,7 +19,11 @@ Lower estimate (not a bound): f(S) <= F* for the prefix sets of each greedy orde
 box_bounds runs in fp64 without outward rounding: the measurement core.
 """
 
+import numpy as np
 import torch
+
+from fast.core import _checks
+from fast.core.certify import EXP_EPS, SATURATE_C, U64, down64, gamma, up32, up64
 
 GRID0 = 33   # initial levels: uniform in [0, 1]
 ROUNDS = 12  # refinement rounds: the interval holding the max is cut into SPLIT pieces
@@ -74,7 +78,7 @@ def grid_search(p, a, b, Btot, rounds=ROUNDS):
     for _ in range(rounds):
         k = T.argmax(-1, keepdim=True)
         a0, a1, m0, m1 = (t.gather(1, k) for t in (u0, u1, l0, l1))
-        new = a0 + (a1 - a0) * frac  # [R, SPLIT - 1]
+        new = torch.minimum(torch.maximum(a0 + (a1 - a0) * frac, a0), a1).cummax(-1).values  # [R, SPLIT - 1], in order
         ln, fn = _greedy(p, a, b, Btot, new)
         lower = torch.maximum(lower, fn.amax(-1))
         su = torch.cat([a0, new, a1], 1)
@@ -99,3 +103,140 @@ def box_bounds(p, lo, hi, rounds=ROUNDS):
     b = p * torch.exp(lo - shift)
     _, T, lower = grid_search(p, a, b, b.sum(-1), rounds)
     return lower.clamp(min=0), T.amax(-1)
+
+
+# ---- the certificate: the same bound, every rounding outward (spec T9, assumption A11) ----
+
+RHO = EXP_EPS + 8 * U64  # relative error of the computed g_j = lam ((1 - u) e^{hi_j} + u e^{lo_j})
+
+
+def _e_up(q_lo, q_hi, E_lo, E_hi, S2, u, lam, n):
+    """[R, M] fp64 >= box_e(q_lo, q_hi, lo, hi, u, lam) (proofs/Box.v) for fp64 u, lam [R, M].
+
+    E_hi >= ... : E = fl(exp(.)) within EXP_EPS; S2 = fl(sum q_lo E_lo) (one sum per row).
+    g_j exact <= computed g (1 + 4 RHO) (exp, 1 - u, two products, a sum: within RHO, RHO < 1e-14);
+    kappa^+ <= max(0, up(up(g (1 + 4 RHO)) - 1)); T1 = sum q_hi kappa^+ (n products and an n-term sum
+    of nonnegatives: x (1 + 2 gamma_{n+1})); T2 = lam u sum q_lo e^{lo} >= lam u S2 (1 - 2 (EXP_EPS +
+    gamma_{n+1})), each product moved one ulp down; e = u - T2 + T1, each operation one ulp outward.
+    """
+    g = lam[..., None] * ((1 - u)[..., None] * E_hi[:, None, :] + u[..., None] * E_lo[:, None, :])
+    kp = up64(up64(g * (1 + 4 * RHO)) - 1).clamp(min=0)
+    t1 = up64((q_hi[:, None, :] * kp).sum(-1) * (1 + 2 * gamma(n + 1)))
+    t2 = down64(down64(down64(S2 * (1 - 2 * (EXP_EPS + gamma(n + 1))))[:, None] * lam) * u).clamp(min=0)
+    return up64(up64(u + t1) - t2)
+
+
+def _certified_terms(q_lo, q_hi, lo, hi, grid):
+    """[R, M] fp64: per interval, min over lambda in {0, l0, l1} of the larger end value of e_up."""
+    u0, u1, l0, l1 = grid
+    n = q_lo.shape[-1]
+    E_lo, E_hi = torch.exp(lo), torch.exp(hi)
+    S2 = (q_lo * E_lo).sum(-1)
+    best = u1.clone()  # lambda = 0: box_e(u, 0) = u (Box.v box_e_lam0)
+    for lam in (l0, l1):
+        t = torch.maximum(_e_up(q_lo, q_hi, E_lo, E_hi, S2, u0, lam, n), _e_up(q_lo, q_hi, E_lo, E_hi, S2, u1, lam, n))
+        best = torch.minimum(best, t)
+    return best
+
+
+def _chain(grid):
+    """Make the intervals of each row chain exactly (sorted by u0, u1 of one = u0 of the next, from
+    0 to 1): the grid of Box.v tv_le_box_grid. The refinement builds them that way; sorting puts
+    them in order and the checks make a broken grid an error, not a wrong bound."""
+    u0, u1, l0, l1 = grid
+    for key in (1, 0):  # by u0, ties (empty intervals) by u1
+        order = (u0, u1)[key].argsort(dim=-1, stable=True)
+        u0, u1, l0, l1 = (t.gather(1, order) for t in (u0, u1, l0, l1))
+    ok = (u0[:, 0] == 0).all() and (u1[:, -1] == 1).all() and (u1[:, :-1] == u0[:, 1:]).all() and (u0 <= u1).all()
+    if not bool(ok):
+        raise RuntimeError("box grid: the intervals do not chain from 0 to 1")
+    return u0, u1, l0, l1
+
+
+def box_bound_enclosed(q_lo, q_hi, lo, hi, rounds=ROUNDS):
+    """(bound [R] fp64, grid): bound >= TV(softmax x, softmax xt) whenever q_lo <= softmax(xt) <= q_hi
+    and lo_j <= x_j - xt_j <= hi_j for every token j (proofs/Box.v tv_le_box_grid), and bound >=
+    the exact value of reference.box:box_grid_bound on the returned grid (u0, u1, l0, l1) [R, M].
+
+    q_lo, q_hi, lo, hi: [R, n] fp64, 0 <= q_lo <= q_hi, lo <= hi (tokens outside the softmax: q = 0).
+    The grid and lambdas are chosen on the midpoint distribution (any choice is sound); rows with
+    max hi > SATURATE_C report 1.
+    """
+    R, n = q_lo.shape
+    big = hi.amax(-1) > SATURATE_C
+    lo_c, hi_c = lo.clamp(min=-SATURATE_C), hi.clamp(max=SATURATE_C)
+    mid = 0.5 * (q_lo + q_hi)
+    p = mid / mid.sum(-1, keepdim=True)
+    a, b = p * torch.exp(hi_c), p * torch.exp(lo_c)
+    grid, _, _ = grid_search(p, a, b, b.sum(-1), rounds)
+    grid = _chain(grid)
+    T = _certified_terms(q_lo, q_hi, lo_c, hi_c, grid)
+    bound = torch.where(big, torch.ones_like(T[:, 0]), T.amax(-1).clamp(max=1.0))
+    return bound, grid
+
+
+def box_tv_bound(p_tilde, c, *, return_grid=False):
+    """The box form (spec T9): [B, H] fp32 >= TV(p, p~ / S) for p proportional to p~ e^{eps},
+    |eps_j| <= c_j, S the row sum (the contract of fast.core.certify.tv_bound_forms).
+    p_tilde, c: [B, H, N]. q_lo / q_hi: p~_j / S with rigorous fp64 bounds on S (gamma_N).
+    return_grid=True also returns the fp64 inputs and grid that reference.box:box_grid_bound
+    evaluates exactly (the differential test)."""
+    _checks.tensor("p_tilde", p_tilde, ndim=3)
+    _checks.tensor("c", c, ndim=3)
+    if p_tilde.shape != c.shape:
+        raise ValueError(f"p_tilde shape {tuple(p_tilde.shape)} != c shape {tuple(c.shape)}")
+    _checks.nonempty("p_tilde", p_tilde, 2)
+    _checks.nonneg_finite("p_tilde", p_tilde)
+    _checks.nonneg_finite("c", c)
+    B, H, N = p_tilde.shape
+    p = p_tilde.to(torch.float64).reshape(B * H, N)
+    c64 = c.to(torch.float64).reshape(B * H, N)
+    S = p.sum(-1, keepdim=True)
+    if not bool((S > 0).all()):
+        raise ValueError("p_tilde: a row sums to zero")
+    g = 2 * gamma(N)
+    q_hi = up64(p / down64(S * (1 - g)))
+    q_lo = down64(p / up64(S * (1 + g))).clamp(min=0)
+    bound, grid = box_bound_enclosed(q_lo, q_hi, -c64, c64)
+    out = up32(bound).view(B, H)
+    if return_grid:
+        return out, {"q_lo": q_lo, "q_hi": q_hi, "lo": -c64, "hi": c64, "grid": grid}
+    return out
+
+
+def box_form_of_read(cert, w, c, e, vmask, D):
+    """Add the box form to a decode certificate of fast.core.attention.attention_torch (opt-in):
+    cert["box"] [B, H] fp32 and cert["min"] = min(min, box).
+
+    The target is the one of the other forms (fast.core.certify.forms_from_pmz): TV(softmax(x),
+    softmax(x^)), x the exact logits, x^ the fp32 logits, |x_j - x^_j| <= c_eff_j <= c_j + d with
+    d = up(2e + 2^-149). q = softmax(x^) is enclosed from the fp32 weights w_j = fl(exp(fl(x^_j - m)))
+    (0 at masked tokens): e^{x^_j - m} lies within w_j e^{+-theta} +- 2^-126, theta = u32 T + 2 EXP32_EPS
+    (as in output_error_bound), and sum_j e^{x^_j - m} >= 1 (the argmax term), so
+      q_hi = (w e^theta + 2^-126) / (W e^-theta - N 2^-126),  q_lo = (w e^-theta - 2^-126)^+ / (W e^theta + N 2^-126),
+    W the fp64 sum of w within 2 gamma_N, every operation rounded outward; masked tokens q = 0.
+    c: [B, H, N] fp32/fp64 (c + 2^-150 >= the witness bound, 0 at exact and masked tokens), e: [B, H]
+    numpy fp64, vmask: [B, 1 or H, N] bool or None."""
+    from fast.core.certify import EXP32_EPS, U32, _up
+    B, H, N = w.shape
+    e = np.asarray(e, dtype=np.float64)
+    d = torch.from_numpy(_up(2 * e + 2.0 ** -149)).to(w.device).view(B, H, 1)
+    hi = up64(c.to(torch.float64) + d)
+    theta = torch.from_numpy(_up(U32 * np.minimum(2 * e / ((D + 4) * U32), 88.0) + 2 * EXP32_EPS)).to(w.device).view(B, H, 1)
+    e_up = up64(torch.exp(theta) * (1 + EXP_EPS))
+    e_dn = down64(torch.exp(-theta) * (1 - EXP_EPS))
+    tiny = 2.0 ** -126
+    w64 = w.to(torch.float64)
+    W = w64.sum(-1, keepdim=True)
+    g = 2 * gamma(N)
+    z_dn = down64(down64(down64(W * (1 - g)) * e_dn) - N * tiny)
+    z_up = up64(up64(up64(W * (1 + g)) * e_up) + N * tiny)
+    q_hi = up64(up64(up64(w64 * e_up) + tiny) / z_dn)
+    q_lo = down64(down64(down64(w64 * e_dn) - tiny).clamp(min=0) / z_up)
+    if vmask is not None:
+        m = vmask.expand(B, H, N)
+        q_hi, q_lo, hi = q_hi.masked_fill(~m, 0.0), q_lo.masked_fill(~m, 0.0), hi.masked_fill(~m, 0.0)
+    bound, _ = box_bound_enclosed(q_lo.reshape(B * H, N), q_hi.reshape(B * H, N), -hi.reshape(B * H, N), hi.reshape(B * H, N))
+    cert["box"] = up32(bound).view(B, H)
+    cert["min"] = torch.minimum(cert["min"], cert["box"])
+    return cert
