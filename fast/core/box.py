@@ -113,15 +113,18 @@ RHO = EXP_EPS + 8 * U64  # relative error of the computed g_j = lam ((1 - u) e^{
 def _e_up(q_lo, q_hi, E_lo, E_hi, S2, u, lam, n):
     """[R, M] fp64 >= box_e(q_lo, q_hi, lo, hi, u, lam) (proofs/Box.v) for fp64 u, lam [R, M].
 
-    E_hi >= ... : E = fl(exp(.)) within EXP_EPS; S2 = fl(sum q_lo E_lo) (one sum per row).
+    E = fl(exp(.)) within EXP_EPS; S2 = fl(sum q_lo E_lo) (one sum per row).
     g_j exact <= computed g (1 + 4 RHO) (exp, 1 - u, two products, a sum: within RHO, RHO < 1e-14);
-    kappa^+ <= max(0, up(up(g (1 + 4 RHO)) - 1)); T1 = sum q_hi kappa^+ (n products and an n-term sum
-    of nonnegatives: x (1 + 2 gamma_{n+1})); T2 = lam u sum q_lo e^{lo} >= lam u S2 (1 - 2 (EXP_EPS +
-    gamma_{n+1})), each product moved one ulp down; e = u - T2 + T1, each operation one ulp outward.
+    t = fl(g (1 + 8 RHO)) >= g (1 + 8 RHO)(1 - u64) >= g (1 + 4 RHO) >= g_j exact; kp = max(0, fl(t - 1)):
+    fl keeps the sign of t - 1, and t - 1 <= fl(t - 1)(1 + u64) when t >= 1, so kappa_j^+ <= kp (1 + u64).
+    T1 = sum q_hi kappa^+ <= fl(sum q_hi kp)(1 + u64)(1 + 2 gamma_{n+1}) (n products and an n-term
+    sum of nonnegatives) <= that times (1 + 2 gamma_{n+2}); T2 = lam u sum q_lo e^{lo} >= lam u S2
+    (1 - 2 (EXP_EPS + gamma_{n+1})), each product moved one ulp down; e = u - T2 + T1, each
+    operation one ulp outward.
     """
     g = lam[..., None] * ((1 - u)[..., None] * E_hi[:, None, :] + u[..., None] * E_lo[:, None, :])
-    kp = up64(up64(g * (1 + 4 * RHO)) - 1).clamp(min=0)
-    t1 = up64((q_hi[:, None, :] * kp).sum(-1) * (1 + 2 * gamma(n + 1)))
+    kp = (g * (1 + 8 * RHO) - 1).clamp(min=0)
+    t1 = up64((q_hi[:, None, :] * kp).sum(-1) * (1 + 2 * gamma(n + 2)))
     t2 = down64(down64(down64(S2 * (1 - 2 * (EXP_EPS + gamma(n + 1))))[:, None] * lam) * u).clamp(min=0)
     return up64(up64(u + t1) - t2)
 
