@@ -10,7 +10,7 @@ import json
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from mpmath import exp, fsum, mpf, workdps
+from mpmath import exp, fsum, mpf, tanh, workdps
 
 import math
 
@@ -19,6 +19,7 @@ from conformance._check import DPS, expect, le, replay
 from conformance.test_fast_attention import build as build_read, dense
 from reference import band as ref_band
 from reference import softmax as sm
+from fast.core.attention import logit_rounding, max_abs
 from fast.core.box import box_tv_bound
 from fast.core.certify import tv_bound_forms
 from reference import box as ref
@@ -120,8 +121,10 @@ READ = st.fixed_dictionaries({
 
 @workdps(DPS)
 def check_read_box(case):
-    """decode_attention(box_form=True): box >= the exact box worst case at the reference's p~ and c
-    (N <= 10, enumeration) >= the true TV from the exact keys; min = min(forms, box)."""
+    """decode_attention(box_form=True) bounds TV(softmax x, softmax x^) (x^ the fp32 logits, within e of
+    x~ = s q.k~). So with p~ = softmax(x~) (reference, 60 digits) and tanh(e/2) >= TV(softmax x^, p~) (T1c):
+    the box worst case at (p~, c) (N <= 10, enumeration) and the true TV(softmax x, p~) from the exact
+    keys are both <= box + tanh(e/2); and min = min(forms, box)."""
     q, k, v, kc, vc, rho, bands, valid, exact = build_read(case)
     s = 1 / math.sqrt(case["D"])
     _, plain = fast.decode_attention(q, kc, vc, rho, s, bands=bands, valid=valid, exact=exact, backend="torch")
@@ -132,6 +135,7 @@ def check_read_box(case):
     elif rho.dtype == torch.uint8:
         rho = fast.unpack_witness(rho)
     kd = dense(kc)
+    e_all = logit_rounding(q, max_abs(kc if isinstance(kc, fast.QTensor) else kd), s)
     for b in range(case["B"]):
         for h in range(q.shape[1]):
             kv = h // case["G"]
@@ -145,10 +149,11 @@ def check_read_box(case):
                 c = [mpf(0) if bool(exact[b, kv, j]) else cj for cj, j in zip(c, toks)]
             oracle = ref.box_oracle(served, [-x for x in c], c)
             f = mpf(float(cert["box"][b, h]))
-            msg = f"row ({b},{h}): box {f}, box worst case {oracle}, true TV {truth}"
-            expect(le(oracle, f), check_read_box, case, "box below the box worst case " + msg)
+            slack = tanh(mpf(float(e_all[b, h])) / 2)
+            msg = f"row ({b},{h}): box {f}, box worst case {oracle}, true TV {truth}, tanh(e/2) {slack}"
+            expect(le(oracle, f + slack), check_read_box, case, "box below the box worst case " + msg)
             if exact is None:
-                expect(le(truth, f), check_read_box, case, "box below the true TV " + msg)
+                expect(le(truth, f + slack), check_read_box, case, "box below the true TV " + msg)
 
 
 @settings(max_examples=40, deadline=None)
