@@ -161,3 +161,23 @@ def check_read_box(case):
 @given(case=READ)
 def test_fast_read_box(case):
     check_read_box(case)
+
+
+def test_box_form_is_opt_in():
+    """The default certificate has no box form (the forms alone); box_form=True adds "box" and never raises min."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 32, generator=g)
+    k = torch.randn(1, 1, 20, 32, generator=g)
+    kc = fast.quantize(k, "int4", group_size=16)
+    rho = fast.witness(k, fast.dequantize(kc), fast.rope_bands(32, 4))
+    bands = fast.rope_bands(32, 4)
+    _, plain = fast.decode_attention(q, kc, kc, rho, 32 ** -0.5, bands=bands, backend="torch")
+    _, boxed = fast.decode_attention(q, kc, kc, rho, 32 ** -0.5, bands=bands, backend="torch", box_form=True)
+    assert "box" not in plain and "box" in boxed
+    assert bool((boxed["min"] <= plain["min"]).all())
+    try:
+        fast.decode_attention(q, kc, kc, rho, 32 ** -0.5, bands=bands, backend="triton", box_form=True)
+    except ValueError as err:
+        assert "torch backend only" in str(err)
+    else:
+        raise AssertionError("box_form on the triton backend accepted")
