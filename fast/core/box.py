@@ -30,9 +30,9 @@ ROUNDS = 12  # refinement rounds: the interval holding the max is cut into SPLIT
 SPLIT = 4
 
 
-def _greedy(p, a, b, Btot, u):
+def _greedy(p, a, b, Btot, u, lower=True):
     """lambda [R, K] (1 / the threshold ratio of the greedy knapsack at level u) and the best
-    prefix value f(S) [R, K] of that greedy ordering (a lower estimate of F*)."""
+    prefix value f(S) [R, K] of that greedy ordering (a lower estimate of F*; None if not lower)."""
     w = (1 - u)[..., None] * a[:, None, :] + u[..., None] * b[:, None, :]  # [R, K, n]
     pp = p[:, None, :].expand_as(w)
     ratio = torch.where(pp > 0, w / pp.clamp(min=1e-300), torch.zeros_like(w))
@@ -43,6 +43,8 @@ def _greedy(p, a, b, Btot, u):
     t = torch.searchsorted(cw.contiguous(), need.contiguous()).clamp(max=w.shape[-1] - 1)
     r_t = torch.gather(rs, -1, t)[..., 0]
     lam = torch.where(r_t > 0, 1.0 / r_t.clamp(min=1e-300), torch.zeros_like(r_t))
+    if not lower:
+        return lam, None
     a_s = torch.gather(a[:, None, :].expand_as(w), -1, order).cumsum(-1)
     b_s = torch.gather(b[:, None, :].expand_as(w), -1, order).cumsum(-1)
     den = a_s + (Btot[:, None, None] - b_s).clamp(min=0)
@@ -65,13 +67,13 @@ def _terms(p, a, b, Btot, u0, u1, l0, l1):
     return best
 
 
-def grid_search(p, a, b, Btot, rounds=ROUNDS):
+def grid_search(p, a, b, Btot, rounds=ROUNDS, lower=True):
     """The intervals (u0, u1, l0, l1) [R, M] of the refined grid, their terms [R, M] and the lower
-    estimate [R]. The intervals of each row partition [0, 1] (unordered)."""
+    estimate [R] (None with lower=False). The intervals of each row partition [0, 1] (unordered)."""
     R = p.shape[0]
     U = torch.linspace(0, 1, GRID0, dtype=p.dtype, device=p.device).expand(R, -1).contiguous()
-    lam, f = _greedy(p, a, b, Btot, U)
-    lower = f.amax(-1)
+    lam, f = _greedy(p, a, b, Btot, U, lower)
+    lower = f.amax(-1) if lower else None
     u0, u1, l0, l1 = U[:, :-1], U[:, 1:], lam[:, :-1], lam[:, 1:]
     T = _terms(p, a, b, Btot, u0, u1, l0, l1)
     frac = torch.arange(1, SPLIT, dtype=p.dtype, device=p.device) / SPLIT
@@ -79,8 +81,9 @@ def grid_search(p, a, b, Btot, rounds=ROUNDS):
         k = T.argmax(-1, keepdim=True)
         a0, a1, m0, m1 = (t.gather(1, k) for t in (u0, u1, l0, l1))
         new = torch.minimum(torch.maximum(a0 + (a1 - a0) * frac, a0), a1).cummax(-1).values  # [R, SPLIT - 1], in order
-        ln, fn = _greedy(p, a, b, Btot, new)
-        lower = torch.maximum(lower, fn.amax(-1))
+        ln, fn = _greedy(p, a, b, Btot, new, lower is not None)
+        if lower is not None:
+            lower = torch.maximum(lower, fn.amax(-1))
         su = torch.cat([a0, new, a1], 1)
         sl = torch.cat([m0, ln, m1], 1)
         st = _terms(p, a, b, Btot, su[:, :-1], su[:, 1:], sl[:, :-1], sl[:, 1:])
@@ -171,7 +174,7 @@ def box_bound_enclosed(q_lo, q_hi, lo, hi, rounds=ROUNDS):
     mid = 0.5 * (q_lo + q_hi)
     p = mid / mid.sum(-1, keepdim=True)
     a, b = p * torch.exp(hi_c), p * torch.exp(lo_c)
-    grid, _, _ = grid_search(p, a, b, b.sum(-1), rounds)
+    grid, _, _ = grid_search(p, a, b, b.sum(-1), rounds, lower=False)
     grid = _chain(grid)
     T = _certified_terms(q_lo, q_hi, lo_c, hi_c, grid)
     bound = torch.where(big, torch.ones_like(T[:, 0]), T.amax(-1).clamp(max=1.0))
