@@ -159,7 +159,20 @@ def run(model, dyn, first, scheme, steps):
     return rec.rows, rec.cert_seconds, rec.box_seconds
 
 
-def summarize(rows):
+def slots_over(rows, key, hkv):
+    """Mean over requests (prompts) of the (layer, KV head) slots whose bound exceeds COVER at least
+    once in the request (any step, any query head of the slot): what certified:0.2 would repair."""
+    per = {}
+    for r in rows:
+        g = len(r[key]) // hkv
+        worst = r[key].reshape(hkv, g).max(-1)
+        slot = per.setdefault(r["prompt"], {})
+        for h in range(hkv):
+            slot[(int(r["layer"][0]), h)] = max(slot.get((int(r["layer"][0]), h), 0.0), float(worst[h]))
+    return float(np.mean([sum(v > COVER for v in slot.values()) for slot in per.values()]))
+
+
+def summarize(rows, hkv):
     a = {k: np.concatenate([r[k] for r in rows]) for k in LEVELS}
     live = a["true"] > 1e-9
     rep = a["reported"]
@@ -171,6 +184,8 @@ def summarize(rows):
            "cs_below_abs": int(sum(r["cs_over_abs_violations"] for r in rows)),
            "median_true_tv": float(np.median(a["true"]))}
     out["coverage"] = {k: float((a[k] <= COVER).mean()) for k in LEVELS}
+    out["slots_over_cover_per_request"] = {k: slots_over(rows, k, hkv) for k in ("true", "reported", "reported_box")}
+    out["slots"] = len({int(r["layer"][0]) for r in rows}) * hkv
     out["median_over_true"] = {k: float(np.median(a[k][live] / a["true"][live])) for k in LEVELS}
     out["p90_over_true"] = {k: float(np.percentile(a[k][live] / a["true"][live], 90)) for k in LEVELS}
     out["median_bound"] = {k: float(np.median(a[k])) for k in LEVELS}
@@ -205,7 +220,8 @@ def readme_tables(res, doc):
           "rows": []}
     t2 = {"title": "The box form (spec T9, opt-in box_form=True) on the same reads: coverage at 0.2 and bound / true TV",
           "header": ["scheme", "violations", "coverage (forms)", "coverage (with box)", "median bound/true (forms)",
-                     "median bound/true (with box)", "p90 (forms)", "p90 (with box)"], "rows": []}
+                     "median bound/true (with box)", "p90 (forms)", "p90 (with box)",
+                     "KV-head slots over 0.2 per request: forms / with box / true TV"], "rows": []}
     for s, r in res.items():
         f = r["factors"]
         t1["rows"].append([s, r["reads"], f"{r['median_over_true']['reported']:.3g}"]
@@ -214,7 +230,9 @@ def readme_tables(res, doc):
                              f"{f['hoelder_box_up_over_box_cs_up']:.3g}"])
         t2["rows"].append([s, r["violations_reported_box"], f"{r['coverage']['reported']:.1%}", f"{r['coverage']['reported_box']:.1%}",
                            f"{r['median_over_true']['reported']:.3g}", f"{r['median_over_true']['reported_box']:.3g}",
-                           f"{r['p90_over_true']['reported']:.3g}", f"{r['p90_over_true']['reported_box']:.3g}"])
+                           f"{r['p90_over_true']['reported']:.3g}", f"{r['p90_over_true']['reported_box']:.3g}"]
+                          + ([" / ".join(f"{r['slots_over_cover_per_request'][k]:.1f}" for k in ("reported", "reported_box", "true"))
+                              + f" of {r['slots']}"] if "slots" in r else ["-"]))
     lv = (("true TV", "true"), ("box at abs(eps), signs unknown", "box_abs_up"), ("box at band CS, NB=8", "box_cs_up"),
           ("box at band CS, NB=32", "box_cs32_up"), ("box at per-element (Hoelder)", "hoelder_box_up"),
           ("forms at the stored witness", "forms_wit"), ("reported", "reported"), ("reported with box", "reported_box"))
@@ -280,13 +298,15 @@ def main(argv=None):
             first = model(input_ids=torch.tensor([ids]), past_key_values=dyn, use_cache=True).logits[:, -1].argmax(-1)
         for s in schemes:
             r, cs, bs = run(model, dyn, first, s, args.steps)
+            for x in r:
+                x["prompt"] = i
             rows[s] += r
             secs[s][0] += cs
             secs[s][1] += bs
             print(f"[{time.time() - t0:6.0f}s] prompt {i + 1}/{args.prompts} ({len(ids)} tokens) {s}", flush=True)
     if args.raw:
         np.savez(args.raw, **{f"{s}/{k}": np.concatenate([x[k] for x in r]) for s, r in rows.items() for k in LEVELS})
-    res = {s: summarize(r) for s, r in rows.items()}
+    res = {s: summarize(r, model.config.num_key_value_heads) for s, r in rows.items()}
     for s in schemes:  # one call per (step, layer): 9 query heads; a loaded 2-core machine, indicative only
         calls = len(rows[s]) or 1
         res[s]["seconds_per_call"] = {"certified_read": secs[s][0] / calls, "box_form_read": secs[s][1] / calls}
