@@ -201,13 +201,6 @@ Proof.
     + exists (S K). split; [lia|lra].
 Qed.
 
-Lemma grid_nonneg (g : nat -> R) K :
-  g 0%nat = 0 -> (forall k, (k <= K)%nat -> g k <= g (S k)) -> forall k, (k <= S K)%nat -> 0 <= g k.
-Proof.
-  intros H0 Hm k. induction k as [|k IH]; intros Hk; [lra|].
-  apply Rle_trans with (g k); [apply IH; lia|apply Hm; lia].
-Qed.
-
 (** * The certificate: some interval of any grid bounds TV for every lambda >= 0 *)
 
 Theorem tv_le_box_grid n x xt lo hi ql qh (g : nat -> R) K :
