@@ -283,13 +283,14 @@ def served_distance(a, b):
     return up32(band_norms_up(d, one_band)[..., 0])
 
 
-def attention_torch(q, k, v, rho, s, bands, valid, exact, certify=True, dense=None, kmax=None, vinfo=None):
+def attention_torch(q, k, v, rho, s, bands, valid, exact, certify=True, dense=None, kmax=None, vinfo=None, box_form=False):
     """Torch twin. Returns out [B, H, D] fp32 and the fp32 certificate dict (or None).
 
     valid: [B, N] (every row reads the same tokens), [B, H, N] (one mask per query row:
     attention_rows flattens its rows into the head axis) or None. dense: (_dense(k), _dense(v))
     when the caller already has them; kmax: max_abs(k); vinfo: value_info(v, v_err), which adds
-    the output bound "out_err" (math.md T5) to the certificate.
+    the output bound "out_err" (math.md T5) to the certificate. box_form=True (opt-in, O(K N log N)
+    per row) adds the box form "box" (spec T9, fast.core.box.box_form_of_read) into "min".
 
     Logits x^ = fl(fl(q . k~) s32); for an int8 cache with one scale per token the scale is
     applied to the dot product instead (fl(fl(fl(q . m) scale) s32), k~ = m scale exactly):
@@ -340,6 +341,9 @@ def attention_torch(q, k, v, rho, s, bands, valid, exact, certify=True, dense=No
         x64 = xm.to(torch.float64)
         w64 = torch.exp(x64 - x64.amax(-1, keepdim=True))
         cert = forms_from_pmz(weighted_sums(w64, c.clamp(max=SATURATE_C)), cmax, e, N, D, torch.float64)
+    if box_form:
+        from fast.core.box import box_form_of_read
+        cert = box_form_of_read(cert, w, c, e, vmask, D)
     if vinfo is not None:
         cert["out_err"] = output_error_bound(w, valid, vinfo, cert["min"], N, D, scaled=isinstance(vx, tuple))
     return out, cert
@@ -448,7 +452,8 @@ def _derive_rho(k, rho, bands, certify, backend, q):
     return rho
 
 
-def decode_attention(q, k, v, rho, scale, *, bands, valid=None, exact=None, backend="auto", certify=True, v_err=None):
+def decode_attention(q, k, v, rho, scale, *, bands, valid=None, exact=None, backend="auto", certify=True, v_err=None,
+                     box_form=False):
     """Attention of one decode step and its certificate (math.md T2, T4, T8): attention_rows with
     T = 1 (one row per sequence, reading every valid token).
 
@@ -461,10 +466,13 @@ def decode_attention(q, k, v, rho, scale, *, bands, valid=None, exact=None, back
     v_err ([B, Hkv, N] >= ||v_j - v~_j||) also out_err >= ||o - out|| (math.md T5).
     backend: "auto" (Triton on CUDA, torch on CPU), "torch" or "triton".
     certify=False skips the certificate (the baseline of the meter-overhead benchmark).
+    box_form=True (torch backend only, opt-in: a few ms per call) adds the box form (spec T9).
     """
     s, bands, rho, valid, exact = _check_inputs(q, k, v, rho, scale, bands, valid, exact)
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend: expected 'auto', 'torch' or 'triton', got {backend!r}")
+    if box_form and (backend == "triton" or (backend == "auto" and q.is_cuda)):
+        raise ValueError("box_form: torch backend only")
     vinfo = value_info(v, v_err) if (certify and v_err is not None) else None
     rho = _derive_rho(k, rho, bands, certify, backend, q)
     if backend == "triton" or (backend == "auto" and q.is_cuda):
@@ -473,4 +481,4 @@ def decode_attention(q, k, v, rho, scale, *, bands, valid=None, exact=None, back
         if vinfo is not None:
             cert["out_err"] = _served_out_err(out, attention_torch(q, k, v, rho, s, bands, valid, exact, True, vinfo=vinfo))
         return out, cert
-    return attention_torch(q, k, v, rho, s, bands, valid, exact, certify, vinfo=vinfo)
+    return attention_torch(q, k, v, rho, s, bands, valid, exact, certify, vinfo=vinfo, box_form=box_form)

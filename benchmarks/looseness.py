@@ -1,0 +1,327 @@
+"""Where the certificate's looseness goes (issue 20, item 1): SmolLM2 decode reads in shadow mode.
+
+For every decode read (step, layer, query head) of every scheme the chain from the true TV up to
+the reported bound, each level an upper bound of the one before (all in fp64, no margins, except
+the reported bound itself):
+
+  true      TV(p, p~) from the exact keys (shadow copy)
+  box_abs   worst case over the box eps_j in [-|eps_j|, +|eps_j|]           (cost of not knowing signs)
+  box_cs    worst case over the box with c_j = s sum_b ||q_b|| ||r_b||       (band Cauchy-Schwarz)
+  forms_cs  min(tanh(cmax/2), 1 - B/A, (A^2 - 1)/2) at the same c_j          (the closed forms)
+  forms_wit the same forms at the stored witness (uint8 log codes, or the derived witness)
+  reported  the certificate's min (fp margins, logit rounding)
+and, for comparison, the per-element (Hoelder) bound c_j = s sum_i |q_i| d_ji where the codec knows
+|r_ji| <= d_ji (int: step/2; fp8: relative to the stored value; kivi2: scale/2 of its block).
+The box worst case F* = max_S [a_S/(a_S + b_{S^c}) - p~_S] is measured from both sides:
+box_*_up is the sound upper bound of fast.core.box (proofs/Box.v), box_*_lo a lower estimate
+(best prefix set of the greedy orderings; NOT a bound). "box_wit_up" is the box bound at the stored
+witness: what the reported min would become with the box form (before fp margins).
+
+    nice -n 10 python -m benchmarks.looseness     # -> results/looseness.json, results/looseness.png
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.soundness import KINDS, build_prompt, machine
+
+ROOT = Path(__file__).resolve().parent.parent
+SCHEMES = ("int8", "int4", "fp8_e4m3", "fp8_e5m2", "kivi2")
+COVER = 0.2
+LEVELS = ("true", "box_abs_lo", "box_abs_up", "box_cs_lo", "box_cs_up", "forms_cs", "forms_wit", "reported",
+          "hoelder_forms", "hoelder_box_up", "box_wit_up", "min_cs_hoelder_box_up", "box_cs16_up", "box_cs32_up",
+          "reported_box")
+FINER = (16, 32)  # finer RoPE band partitions (exact ||r_b||): NB bytes of log codes per token and KV head
+CHAIN = (("signs", "box_abs_up", "true"), ("cauchy_schwarz", "box_cs_up", "box_abs_up"),
+         ("forms", "forms_cs", "box_cs_up"), ("witness_code", "forms_wit", "forms_cs"),
+         ("fp_margins", "reported", "forms_wit"))
+
+
+def forms_exact(p, c):
+    """min(tanh(cmax/2), 1 - B/A, (A^2 - 1)/2) capped at 1, fp64, no margins. p, c: [R, n]."""
+    A = (p * torch.exp(c)).sum(-1)
+    B = (p * torch.exp(-c)).sum(-1)
+    f = torch.minimum(torch.minimum(torch.tanh(c.amax(-1) / 2), 1 - B / A), (A * A - 1) / 2)
+    return f.clamp(0, 1)
+
+
+def per_element_bound(layer, N):
+    """d [B, Hkv, N, D] fp64 with |k_j - k~_j| <= d elementwise as the codec knows it (0 at exact tokens)."""
+    d = torch.zeros(layer.B, layer.Hkv, N, layer.D, dtype=torch.float64)
+    nq = layer.nq
+    if not nq:
+        return d
+    kq = layer.kq
+    if hasattr(kq, "qt"):
+        qt = kq.qt
+        step = qt.step().to(torch.float64)  # int: |r| <= step/2; fp8: step = 2 x the relative half-step
+        d[:, :, :nq] = step * 0.5
+        return d
+    scale, zero = kq.get("scale").to(torch.float64), kq.get("zero").to(torch.float64)  # kivi2 keys [B, Hkv, N/32, D]
+    half = scale * 0.5 + 2.0 ** -10 * (zero.abs() + 3 * scale)  # fp16 rounding of zero and scale, generously
+    d[:, :, :nq] = half.repeat_interleave(32, dim=2)[:, :, :nq]
+    return d
+
+
+class Recorder:
+    """Wraps fast.integrations.hf_meter._certify: every decode read is measured on the spot."""
+
+    def __init__(self, meter):
+        self.meter, self.orig, self.rows, self.box_seconds = meter, meter._certify, [], 0.0
+        self.cert_seconds = 0.0
+
+    def __enter__(self):
+        rec = self
+
+        def wrapped(layer, q, k, v, scale, valid, q_pos=None):
+            t0 = time.perf_counter()
+            out, cert = rec.orig(layer, q, k, v, scale, valid, q_pos)
+            rec.cert_seconds += time.perf_counter() - t0
+            if q_pos is None:
+                rec.measure(layer, q, k, v, scale, valid, cert)
+            return out, cert
+        self.meter._certify = wrapped
+        return self
+
+    def __exit__(self, *exc):
+        self.meter._certify = self.orig
+
+    def measure(self, layer, q, k, v, scale, valid, cert):
+        from fast.core.attention import decode_attention
+        from fast.core.box import box_bounds
+        from fast.core.rope import rope_bands
+        from fast.core.witness import unpack_witness
+        bands = layer.cache.bands
+        B, H, D = q.shape
+        Hkv, N = k.shape[1], k.shape[2]
+        G = H // Hkv
+        kv = torch.arange(H) // G
+        q64 = q.double()[0]                          # [H, D]
+        ks = k.double()[0][kv]                       # [H, N, D] served
+        ke = layer.exact_k.double()[0][kv]           # [H, N, D] exact (shadow)
+        vmask = valid[0][kv]                         # [H, N]
+        x_s = torch.einsum("hd,hnd->hn", q64, ks) * scale
+        x_e = torch.einsum("hd,hnd->hn", q64, ke) * scale
+        p_s = torch.softmax(x_s.masked_fill(~vmask, -torch.inf), -1)
+        p_e = torch.softmax(x_e.masked_fill(~vmask, -torch.inf), -1)
+        true = 0.5 * (p_e - p_s).abs().sum(-1)
+        eps = (x_e - x_s).masked_fill(~vmask, 0.0)
+        qb = q64[:, bands].norm(dim=-1)              # [H, NB]
+        rb = (ke - ks)[:, :, bands].norm(dim=-1)     # [H, N, NB]
+        c_cs = scale * torch.einsum("hb,hnb->hn", qb, rb)
+        rho, exact = layer.witness_codes()
+        if not bool((valid == valid[:, :1]).all()):
+            raise ValueError("looseness: per-KV-head padding is not measured")
+        t0 = time.perf_counter()
+        _, boxed = decode_attention(q, k, v, rho, scale, bands=bands, valid=valid[:, 0], exact=exact, backend="torch", box_form=True)
+        self.box_seconds += time.perf_counter() - t0
+        rho = unpack_witness(rho) if rho.dtype == torch.uint8 else rho
+        rho = rho.double().masked_fill(exact[..., None], 0.0)[0][kv]
+        c_wit = scale * torch.einsum("hb,hnb->hn", qb, rho)
+        d = per_element_bound(layer, N).masked_fill(exact[..., None], 0.0)[0][kv]  # [H, N, D]
+        c_h = scale * torch.einsum("hd,hnd->hn", q64.abs(), d)
+        r = (ke - ks).abs()
+        hoelder_violations = int(((r > d) & ~exact[0][kv][..., None]).sum())
+        fine = []
+        for nb in FINER:
+            bf = rope_bands(D, nb, "rotate_half")
+            fine.append(scale * torch.einsum("hb,hnb->hn", q64[:, bf].norm(dim=-1), (ke - ks)[:, :, bf].norm(dim=-1)))
+        cs = [c.masked_fill(~vmask, 0.0) for c in (eps.abs(), c_cs, c_wit, c_h, torch.minimum(c_cs, c_h), *fine)]
+        m = len(cs)
+        lo, up = box_bounds(p_s.repeat(m, 1), -torch.cat(cs), torch.cat(cs))
+        lo, up = lo.view(m, H), up.view(m, H)
+        row = {"true": true, "box_abs_lo": lo[0], "box_abs_up": up[0], "box_cs_lo": lo[1], "box_cs_up": up[1],
+               "forms_cs": forms_exact(p_s, cs[1]), "forms_wit": forms_exact(p_s, cs[2]),
+               "reported": cert["min"][0].double(), "hoelder_forms": forms_exact(p_s, cs[3]),
+               "hoelder_box_up": up[3], "box_wit_up": up[2], "min_cs_hoelder_box_up": up[4],
+               "box_cs16_up": up[5], "box_cs32_up": up[6], "reported_box": boxed["min"][0].double()}
+        self.rows.append({k: v.numpy().copy() for k, v in row.items()} | {
+            "layer": np.full(H, layer.layer_idx), "hoelder_violations": hoelder_violations,
+            "cs_over_abs_violations": int((cs[1] < cs[0] * (1 - 1e-9) - 1e-12).sum())})
+
+
+def run(model, dyn, first, scheme, steps):
+    import fast.integrations.hf_meter as meter
+    from fast.integrations.hf_cache import CertifiedCache
+    meter.set_current(None)
+    cache = CertifiedCache(model.config, scheme, sinks=0, window=0, shadow=True, seed=0)
+    cache.fill_from(dyn)
+    tok = first
+    with Recorder(meter) as rec, torch.no_grad():
+        for _ in range(steps):
+            tok = model(input_ids=tok[:, None], past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1)
+    return rec.rows, rec.cert_seconds, rec.box_seconds
+
+
+def slots_over(rows, key, hkv):
+    """Mean over requests (prompts) of the (layer, KV head) slots whose bound exceeds COVER at least
+    once in the request (any step, any query head of the slot): what certified:0.2 would repair."""
+    per = {}
+    for r in rows:
+        g = len(r[key]) // hkv
+        worst = r[key].reshape(hkv, g).max(-1)
+        slot = per.setdefault(r["prompt"], {})
+        for h in range(hkv):
+            slot[(int(r["layer"][0]), h)] = max(slot.get((int(r["layer"][0]), h), 0.0), float(worst[h]))
+    return float(np.mean([sum(v > COVER for v in slot.values()) for slot in per.values()]))
+
+
+def summarize(rows, hkv):
+    a = {k: np.concatenate([r[k] for r in rows]) for k in LEVELS}
+    live = a["true"] > 1e-9
+    rep = a["reported"]
+    out = {"reads": int(a["true"].size), "reads_true_above_1e-9": int(live.sum()),
+           "violations_reported": int((a["true"] > rep).sum()),
+           "violations_box_wit_up": int((a["true"] > a["box_wit_up"]).sum()),
+           "violations_reported_box": int((a["true"] > a["reported_box"]).sum()),
+           "hoelder_element_violations": int(sum(r["hoelder_violations"] for r in rows)),
+           "cs_below_abs": int(sum(r["cs_over_abs_violations"] for r in rows)),
+           "median_true_tv": float(np.median(a["true"]))}
+    out["coverage"] = {k: float((a[k] <= COVER).mean()) for k in LEVELS}
+    out["slots_over_cover_per_request"] = {k: slots_over(rows, k, hkv) for k in ("true", "reported", "reported_box")}
+    out["slots"] = len({int(r["layer"][0]) for r in rows}) * hkv
+    out["median_over_true"] = {k: float(np.median(a[k][live] / a["true"][live])) for k in LEVELS}
+    out["p90_over_true"] = {k: float(np.percentile(a[k][live] / a["true"][live], 90)) for k in LEVELS}
+    out["median_bound"] = {k: float(np.median(a[k])) for k in LEVELS}
+    # the factor of each relaxation, per read: median, and its share of the total log factor
+    total = np.log(rep[live] / a["true"][live])
+    out["factors"] = {}
+    for name, hi, lo in CHAIN:
+        f = a[hi][live] / a[lo][live]
+        out["factors"][name] = {"median": float(np.median(f)), "p90": float(np.percentile(f, 90)),
+                                "geomean": float(np.exp(np.mean(np.log(f)))),
+                                "share_of_log_total": float(np.sum(np.log(f)) / np.sum(total))}
+    out["factors"]["box_upper_over_lower_abs"] = float(np.median(a["box_abs_up"][live] / np.maximum(a["box_abs_lo"][live], 1e-300)))
+    out["factors"]["box_upper_over_lower_cs"] = float(np.median(a["box_cs_up"][live] / np.maximum(a["box_cs_lo"][live], 1e-300)))
+    out["factors"]["hoelder_over_cs_forms"] = float(np.median(a["hoelder_forms"][live] / a["forms_cs"][live]))
+    for k in ("min_cs_hoelder_box_up", "box_cs16_up", "box_cs32_up", "hoelder_box_up"):
+        out["factors"][f"{k}_over_box_cs_up"] = float(np.median(a[k][live] / a["box_cs_up"][live]))
+    out["factors"]["box_wit_up_over_reported"] = float(np.median(a["box_wit_up"][live] / rep[live]))
+    out["factors"]["reported_box_over_reported"] = {"median": float(np.median(a["reported_box"][live] / rep[live])),
+                                                    "p10": float(np.percentile(a["reported_box"][live] / rep[live], 10))}
+    return out
+
+
+def readme_tables(res, doc):
+    """Two README tables: the factor of each relaxation, and coverage / looseness with the box form."""
+    names = [c[0] for c in CHAIN]
+    head = "SmolLM2 decode reads in shadow mode ({} prompts of {} tokens, {} steps, all 30 layers x 9 heads, no sinks or window)".format(
+        len(doc["prompt_tokens"]), "/".join(map(str, doc["prompt_tokens"])), doc["steps_per_prompt"])
+    t1 = {"title": "Where the looseness goes: " + head + "; median factor per read of each relaxation (share of the "
+                   "total log factor in brackets); box = worst case over the per-token intervals (sound upper bound, "
+                   "within the stated factor of a lower estimate)",
+          "header": ["scheme", "reads", "median reported / true"] + names + ["box up / lower est.", "finer bands NB=32 vs 8", "per-element (Hoelder) vs band CS"],
+          "rows": []}
+    t2 = {"title": "The box form (spec T9, opt-in box_form=True) on the same reads: coverage at 0.2 and bound / true TV",
+          "header": ["scheme", "violations", "coverage (forms)", "coverage (with box)", "median bound/true (forms)",
+                     "median bound/true (with box)", "p90 (forms)", "p90 (with box)",
+                     "KV-head slots over 0.2 per request: forms / with box / true TV"], "rows": []}
+    for s, r in res.items():
+        f = r["factors"]
+        t1["rows"].append([s, r["reads"], f"{r['median_over_true']['reported']:.3g}"]
+                          + [f"{f[n]['median']:.3g} ({f[n]['share_of_log_total']:.0%})" for n in names]
+                          + [f"{f['box_upper_over_lower_cs']:.4g}", f"{f['box_cs32_up_over_box_cs_up']:.3g}",
+                             f"{f['hoelder_box_up_over_box_cs_up']:.3g}"])
+        t2["rows"].append([s, r["violations_reported_box"], f"{r['coverage']['reported']:.1%}", f"{r['coverage']['reported_box']:.1%}",
+                           f"{r['median_over_true']['reported']:.3g}", f"{r['median_over_true']['reported_box']:.3g}",
+                           f"{r['p90_over_true']['reported']:.3g}", f"{r['p90_over_true']['reported_box']:.3g}"]
+                          + ([" / ".join(f"{r['slots_over_cover_per_request'][k]:.1f}" for k in ("reported", "reported_box", "true"))
+                              + f" of {r['slots']}"] if "slots" in r else ["-"]))
+    lv = (("true TV", "true"), ("box at abs(eps), signs unknown", "box_abs_up"), ("box at band CS, NB=8", "box_cs_up"),
+          ("box at band CS, NB=32", "box_cs32_up"), ("box at per-element (Hoelder)", "hoelder_box_up"),
+          ("forms at the stored witness", "forms_wit"), ("reported", "reported"), ("reported with box", "reported_box"))
+    t3 = {"title": "Coverage at 0.2 (share of reads with bound <= 0.2) at each level of the chain, same reads: the band "
+                   "Cauchy-Schwarz level bounds what any deterministic bound from band norms can cover",
+          "header": ["scheme"] + [n for n, _ in lv], "rows": []}
+    for s, r in res.items():
+        t3["rows"].append([s] + [f"{r['coverage'][k]:.1%}" for _, k in lv])
+    return [t1, t2, t3]
+
+
+def plot(res, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    names = [c[0] for c in CHAIN]
+    x = np.arange(len(res))
+    bottom = np.zeros(len(res))
+    for n in names:
+        v = np.array([np.log10(max(r["factors"][n]["geomean"], 1.0)) for r in res.values()])
+        ax.bar(x, v, bottom=bottom, label=n)
+        bottom += v
+    ax.set_xticks(x, list(res))
+    ax.set_ylabel("log10 factor (geometric mean over reads)")
+    ax.set_title("Certificate looseness: where reported / true TV goes (SmolLM2, shadow mode)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--lengths", default="512,768,1024")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--schemes", default=",".join(SCHEMES))
+    ap.add_argument("--out", default=str(ROOT / "results" / "looseness.json"))
+    ap.add_argument("--plot", default=str(ROOT / "results" / "looseness.png"))
+    ap.add_argument("--raw", default="", help="also save every read's levels to this .npz")
+    ap.add_argument("--tables-only", action="store_true", help="re-render the README tables of an existing --out file")
+    args = ap.parse_args(argv)
+    if args.tables_only:
+        doc = json.loads(Path(args.out).read_text())
+        doc["readme_tables"] = readme_tables(doc["results"], doc)
+        Path(args.out).write_text(json.dumps(doc, indent=2))
+        return 0
+    torch.set_num_threads(1)
+    from fast.tools.cli import load
+    from transformers import DynamicCache
+    t0 = time.time()
+    model, tok = load()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    schemes = args.schemes.split(",")
+    rows = {s: [] for s in schemes}
+    secs = {s: [0.0, 0.0] for s in schemes}
+    plen = []
+    for i in range(args.prompts):
+        ids = build_prompt(tok, KINDS[i % len(KINDS)], lengths[i % len(lengths)], seed=i)
+        plen.append(len(ids))
+        dyn = DynamicCache(config=model.config)
+        with torch.no_grad():
+            first = model(input_ids=torch.tensor([ids]), past_key_values=dyn, use_cache=True).logits[:, -1].argmax(-1)
+        for s in schemes:
+            r, cs, bs = run(model, dyn, first, s, args.steps)
+            for x in r:
+                x["prompt"] = i
+            rows[s] += r
+            secs[s][0] += cs
+            secs[s][1] += bs
+            print(f"[{time.time() - t0:6.0f}s] prompt {i + 1}/{args.prompts} ({len(ids)} tokens) {s}", flush=True)
+    if args.raw:
+        np.savez(args.raw, **{f"{s}/{k}": np.concatenate([x[k] for x in r]) for s, r in rows.items() for k in LEVELS})
+    res = {s: summarize(r, model.config.num_key_value_heads) for s, r in rows.items()}
+    for s in schemes:  # one call per (step, layer): 9 query heads; a loaded 2-core machine, indicative only
+        calls = len(rows[s]) or 1
+        res[s]["seconds_per_call"] = {"certified_read": secs[s][0] / calls, "box_form_read": secs[s][1] / calls}
+    doc = {"command": "python -m benchmarks.looseness " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "machine": machine(), "prompt_tokens": plen, "steps_per_prompt": args.steps,
+           "sinks": 0, "window": 0, "witness": "stored uint8 log codes (CertifiedCache default)",
+           "levels": __doc__.split("\n\n")[1], "results": res, "seconds": round(time.time() - t0, 1)}
+    doc["readme_tables"] = readme_tables(res, doc)
+    Path(args.out).write_text(json.dumps(doc, indent=2))
+    plot(res, args.plot)
+    for s, r in res.items():
+        print(s, {k: round(v["median"], 3) for k, v in r["factors"].items() if isinstance(v, dict)},
+              "cov", round(r["coverage"]["reported"], 3), "->", round(r["coverage"]["box_wit_up"], 3))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""The worst case of TV over per-token logit-shift intervals (issue 20; proofs/Box.v).
+
+With p ∝ p~ e^{eps}, eps_j in [lo_j, hi_j], a_j = p~_j e^{hi_j}, b_j = p~_j e^{lo_j}, B = sum b:
+for S = {j : p_j > p~_j}, TV(p, p~) = p_S - p~_S <= V(S) - p~_S, V(S) = a_S / (a_S + b_{S^c})
+(x / (x + y) increases in x and decreases in y). The exact worst case F* = max_S [V(S) - p~_S]
+is a maximum over 2^n sets; this module bounds it from above (sound) and below (a measurement).
+
+Upper bound. With w_j(u) = (1 - u) a_j + u b_j, every S satisfies sum_S w_j(V(S)) = V(S) B, so for
+every lambda >= 0 (weak duality):
+    V(S) - p~_S <= e(V(S), lambda),   e(u, lambda) = u - lambda u B + sum_j (lambda w_j(u) - p~_j)^+.
+e(., lambda) is convex (w_j is affine in u), so on an interval [u0, u1] it is at most its larger end
+value. Hence for every grid 0 = u_0 < ... < u_K = 1 and any lambda_k >= 0:
+    TV <= max_k max(e(u_k, lambda_k), e(u_{k+1}, lambda_k))                 (proofs/Box.v)
+lambda = 0 gives e(u, 0) = u: the term is never above u_{k+1}. Any grid and any lambdas are
+sound; tightness: lambda_k = 1 / (the fractional-knapsack threshold ratio w_j / p~_j at an end
+of the interval), tried at both ends, and the interval holding the max is cut further.
+Lower estimate (not a bound): f(S) <= F* for the prefix sets of each greedy ordering.
+
+box_bounds runs in fp64 without outward rounding: the measurement core.
+"""
+
+import numpy as np
+import torch
+
+from fast.core import _checks
+from fast.core.certify import EXP_EPS, SATURATE_C, U64, down64, gamma, up32, up64
+
+GRID0 = 33   # initial levels: uniform in [0, 1]
+ROUNDS = 12  # refinement rounds: the interval holding the max is cut into SPLIT pieces
+SPLIT = 4
+
+
+def _greedy(p, a, b, Btot, u, lower=True):
+    """lambda [R, K] (1 / the threshold ratio of the greedy knapsack at level u) and the best
+    prefix value f(S) [R, K] of that greedy ordering (a lower estimate of F*; None if not lower)."""
+    w = (1 - u)[..., None] * a[:, None, :] + u[..., None] * b[:, None, :]  # [R, K, n]
+    pp = p[:, None, :].expand_as(w)
+    ratio = torch.where(pp > 0, w / pp.clamp(min=1e-300), torch.zeros_like(w))
+    order = torch.argsort(ratio, dim=-1, descending=True)
+    ws, ps, rs = (torch.gather(t, -1, order) for t in (w, pp, ratio))
+    cw = ws.cumsum(-1)
+    need = (u * Btot[:, None])[..., None]
+    t = torch.searchsorted(cw.contiguous(), need.contiguous()).clamp(max=w.shape[-1] - 1)
+    r_t = torch.gather(rs, -1, t)[..., 0]
+    lam = torch.where(r_t > 0, 1.0 / r_t.clamp(min=1e-300), torch.zeros_like(r_t))
+    if not lower:
+        return lam, None
+    a_s = torch.gather(a[:, None, :].expand_as(w), -1, order).cumsum(-1)
+    b_s = torch.gather(b[:, None, :].expand_as(w), -1, order).cumsum(-1)
+    den = a_s + (Btot[:, None, None] - b_s).clamp(min=0)
+    f = a_s / den.clamp(min=1e-300) - ps.cumsum(-1)
+    return lam, f.amax(-1)
+
+
+def _e(p, a, b, Btot, u, lam):
+    """e(u, lambda) [R, K] for levels u and multipliers lam [R, K]."""
+    w = (1 - u)[..., None] * a[:, None, :] + u[..., None] * b[:, None, :]
+    return u - lam * u * Btot[:, None] + (lam[..., None] * w - p[:, None, :]).clamp(min=0).sum(-1)
+
+
+def _terms(p, a, b, Btot, u0, u1, l0, l1):
+    """Per-interval bound [R, M] for intervals [u0, u1] with the lambdas l0, l1 of their ends:
+    min over lambda in {0, l0, l1} of max(e(u0, lambda), e(u1, lambda)) (lambda = 0 gives u1)."""
+    best = u1.clone()
+    for lk in (l0, l1):
+        best = torch.minimum(best, torch.maximum(_e(p, a, b, Btot, u0, lk), _e(p, a, b, Btot, u1, lk)))
+    return best
+
+
+def grid_search(p, a, b, Btot, rounds=ROUNDS, lower=True):
+    """The intervals (u0, u1, l0, l1) [R, M] of the refined grid, their terms [R, M] and the lower
+    estimate [R] (None with lower=False). The intervals of each row partition [0, 1] (unordered)."""
+    R = p.shape[0]
+    U = torch.linspace(0, 1, GRID0, dtype=p.dtype, device=p.device).expand(R, -1).contiguous()
+    lam, f = _greedy(p, a, b, Btot, U, lower)
+    lower = f.amax(-1) if lower else None
+    u0, u1, l0, l1 = U[:, :-1], U[:, 1:], lam[:, :-1], lam[:, 1:]
+    T = _terms(p, a, b, Btot, u0, u1, l0, l1)
+    frac = torch.arange(1, SPLIT, dtype=p.dtype, device=p.device) / SPLIT
+    for _ in range(rounds):
+        k = T.argmax(-1, keepdim=True)
+        a0, a1, m0, m1 = (t.gather(1, k) for t in (u0, u1, l0, l1))
+        new = torch.minimum(torch.maximum(a0 + (a1 - a0) * frac, a0), a1).cummax(-1).values  # [R, SPLIT - 1], in order
+        ln, fn = _greedy(p, a, b, Btot, new, lower is not None)
+        if lower is not None:
+            lower = torch.maximum(lower, fn.amax(-1))
+        su = torch.cat([a0, new, a1], 1)
+        sl = torch.cat([m0, ln, m1], 1)
+        st = _terms(p, a, b, Btot, su[:, :-1], su[:, 1:], sl[:, :-1], sl[:, 1:])
+        keep = torch.ones_like(T, dtype=torch.bool).scatter_(1, k, False)
+        M = T.shape[1] - 1
+        u0, u1, l0, l1, T = (torch.cat([x[keep].view(R, M), y], 1) for x, y in
+                             ((u0, su[:, :-1]), (u1, su[:, 1:]), (l0, sl[:, :-1]), (l1, sl[:, 1:]), (T, st)))
+    return (u0, u1, l0, l1), T, lower
+
+
+def box_bounds(p, lo, hi, rounds=ROUNDS):
+    """(lower, upper) [R] fp64 with lower <= F* <= upper (upper: in exact arithmetic).
+
+    p: [R, n] rows of a distribution (>= 0, each summing to 1); lo <= hi: [R, n] the intervals of
+    eps_j. fp64, no outward rounding: the measurement core.
+    """
+    p, lo, hi = (t.to(torch.float64) for t in (p, lo, hi))
+    shift = ((lo + hi) * 0.5 * p).sum(-1, keepdim=True)  # the bound is unchanged by a common shift
+    a = p * torch.exp(hi - shift)
+    b = p * torch.exp(lo - shift)
+    _, T, lower = grid_search(p, a, b, b.sum(-1), rounds)
+    return lower.clamp(min=0), T.amax(-1)
+
+
+# ---- the certificate: the same bound, every rounding outward (spec T9, assumption A12) ----
+
+RHO = EXP_EPS + 8 * U64  # relative error of the computed g_j = lam ((1 - u) e^{hi_j} + u e^{lo_j})
+
+
+def _e_up(q_lo, q_hi, E_lo, E_hi, S2, u, lam, n):
+    """[R, M] fp64 >= box_e(q_lo, q_hi, lo, hi, u, lam) (proofs/Box.v) for fp64 u, lam [R, M].
+
+    E = fl(exp(.)) within EXP_EPS; S2 = fl(sum q_lo E_lo) (one sum per row).
+    g_j exact <= computed g (1 + 4 RHO) (exp, 1 - u, two products, a sum: within RHO, RHO < 1e-14);
+    t = fl(g (1 + 8 RHO)) >= g (1 + 8 RHO)(1 - u64) >= g (1 + 4 RHO) >= g_j exact; kp = max(0, fl(t - 1)):
+    fl keeps the sign of t - 1, and t - 1 <= fl(t - 1)(1 + u64) when t >= 1, so kappa_j^+ <= kp (1 + u64).
+    T1 = sum q_hi kappa^+ <= fl(sum q_hi kp)(1 + u64)(1 + 2 gamma_{n+1}) (n products and an n-term
+    sum of nonnegatives) <= that times (1 + 2 gamma_{n+2}); T2 = lam u sum q_lo e^{lo} >= lam u S2
+    (1 - 2 (EXP_EPS + gamma_{n+1})), each product moved one ulp down; e = u - T2 + T1, each
+    operation one ulp outward.
+    """
+    g = lam[..., None] * ((1 - u)[..., None] * E_hi[:, None, :] + u[..., None] * E_lo[:, None, :])
+    kp = (g * (1 + 8 * RHO) - 1).clamp(min=0)
+    t1 = up64((q_hi[:, None, :] * kp).sum(-1) * (1 + 2 * gamma(n + 2)))
+    t2 = down64(down64(down64(S2 * (1 - 2 * (EXP_EPS + gamma(n + 1))))[:, None] * lam) * u).clamp(min=0)
+    return up64(up64(u + t1) - t2)
+
+
+def _certified_terms(q_lo, q_hi, lo, hi, grid):
+    """[R, M] fp64: per interval, min over lambda in {0, l0, l1} of the larger end value of e_up."""
+    u0, u1, l0, l1 = grid
+    n = q_lo.shape[-1]
+    E_lo, E_hi = torch.exp(lo), torch.exp(hi)
+    S2 = (q_lo * E_lo).sum(-1)
+    best = u1.clone()  # lambda = 0: box_e(u, 0) = u (Box.v box_e_lam0)
+    for lam in (l0, l1):
+        t = torch.maximum(_e_up(q_lo, q_hi, E_lo, E_hi, S2, u0, lam, n), _e_up(q_lo, q_hi, E_lo, E_hi, S2, u1, lam, n))
+        best = torch.minimum(best, t)
+    return best
+
+
+def _chain(grid):
+    """Make the intervals of each row chain exactly (sorted by u0, u1 of one = u0 of the next, from
+    0 to 1): the grid of Box.v tv_le_box_grid. The refinement builds them that way; sorting puts
+    them in order and the checks make a broken grid an error, not a wrong bound."""
+    u0, u1, l0, l1 = grid
+    for key in (1, 0):  # by u0, ties (empty intervals) by u1
+        order = (u0, u1)[key].argsort(dim=-1, stable=True)
+        u0, u1, l0, l1 = (t.gather(1, order) for t in (u0, u1, l0, l1))
+    ok = (u0[:, 0] == 0).all() and (u1[:, -1] == 1).all() and (u1[:, :-1] == u0[:, 1:]).all() and (u0 <= u1).all()
+    if not bool(ok):
+        raise RuntimeError("box grid: the intervals do not chain from 0 to 1")
+    return u0, u1, l0, l1
+
+
+def box_bound_enclosed(q_lo, q_hi, lo, hi, rounds=ROUNDS):
+    """(bound [R] fp64, grid): bound >= TV(softmax x, softmax xt) whenever q_lo <= softmax(xt) <= q_hi
+    and lo_j <= x_j - xt_j <= hi_j for every token j (proofs/Box.v tv_le_box_grid), and bound >=
+    the exact value of reference.box:box_grid_bound on the returned grid (u0, u1, l0, l1) [R, M].
+
+    q_lo, q_hi, lo, hi: [R, n] fp64, 0 <= q_lo <= q_hi, lo <= hi (tokens outside the softmax: q = 0).
+    The grid and lambdas are chosen on the midpoint distribution (any choice is sound); rows with
+    max hi > SATURATE_C report 1.
+    """
+    R, n = q_lo.shape
+    big = hi.amax(-1) > SATURATE_C
+    lo_c, hi_c = lo.clamp(min=-SATURATE_C), hi.clamp(max=SATURATE_C)
+    mid = 0.5 * (q_lo + q_hi)
+    p = mid / mid.sum(-1, keepdim=True)
+    a, b = p * torch.exp(hi_c), p * torch.exp(lo_c)
+    grid, _, _ = grid_search(p, a, b, b.sum(-1), rounds, lower=False)
+    grid = _chain(grid)
+    T = _certified_terms(q_lo, q_hi, lo_c, hi_c, grid)
+    bound = torch.where(big, torch.ones_like(T[:, 0]), T.amax(-1).clamp(max=1.0))
+    return bound, grid
+
+
+def box_tv_bound(p_tilde, c, *, return_grid=False):
+    """The box form (spec T9): [B, H] fp32 >= TV(p, p~ / S) for p proportional to p~ e^{eps},
+    |eps_j| <= c_j, S the row sum (the contract of fast.core.certify.tv_bound_forms).
+    p_tilde, c: [B, H, N]. q_lo / q_hi: p~_j / S with rigorous fp64 bounds on S (gamma_N).
+    return_grid=True also returns the fp64 inputs and grid that reference.box:box_grid_bound
+    evaluates exactly (the differential test)."""
+    _checks.tensor("p_tilde", p_tilde, ndim=3)
+    _checks.tensor("c", c, ndim=3)
+    if p_tilde.shape != c.shape:
+        raise ValueError(f"p_tilde shape {tuple(p_tilde.shape)} != c shape {tuple(c.shape)}")
+    _checks.nonempty("p_tilde", p_tilde, 2)
+    _checks.nonneg_finite("p_tilde", p_tilde)
+    _checks.nonneg_finite("c", c)
+    B, H, N = p_tilde.shape
+    p = p_tilde.to(torch.float64).reshape(B * H, N)
+    c64 = c.to(torch.float64).reshape(B * H, N)
+    S = p.sum(-1, keepdim=True)
+    if not bool((S > 0).all()):
+        raise ValueError("p_tilde: a row sums to zero")
+    g = 2 * gamma(N)
+    q_hi = up64(p / down64(S * (1 - g)))
+    q_lo = down64(p / up64(S * (1 + g))).clamp(min=0)
+    bound, grid = box_bound_enclosed(q_lo, q_hi, -c64, c64)
+    out = up32(bound).view(B, H)
+    if return_grid:
+        return out, {"q_lo": q_lo, "q_hi": q_hi, "lo": -c64, "hi": c64, "grid": grid}
+    return out
+
+
+def box_form_of_read(cert, w, c, e, vmask, D):
+    """Add the box form to a decode certificate of fast.core.attention.attention_torch (opt-in):
+    cert["box"] [B, H] fp32 and cert["min"] = min(min, box). Like every other form, the box carries r_w
+    (fast.core.certify.weight_rounding): it bounds the TV to the fp32 weights served.
+
+    The target is the one of the other forms (fast.core.certify.forms_from_pmz): TV(softmax(x),
+    softmax(x^)), x the exact logits, x^ the fp32 logits, |x_j - x^_j| <= c_eff_j <= c_j + d with
+    d = up(2e + 2^-149). q = softmax(x^) is enclosed from the fp32 weights w_j = fl(exp(fl(x^_j - m)))
+    (0 at masked tokens): e^{x^_j - m} lies within w_j e^{+-theta} +- 2^-126, theta = u32 T + 2 EXP32_EPS
+    (as in output_error_bound), and sum_j e^{x^_j - m} >= 1 (the argmax term), so
+      q_hi = (w e^theta + 2^-126) / (W e^-theta - N 2^-126),  q_lo = (w e^-theta - 2^-126)^+ / (W e^theta + N 2^-126),
+    W the fp64 sum of w within 2 gamma_N, every operation rounded outward; masked tokens q = 0.
+    c: [B, H, N] fp32/fp64 (c + 2^-150 >= the witness bound, 0 at exact and masked tokens), e: [B, H]
+    numpy fp64, vmask: [B, 1 or H, N] bool or None."""
+    from fast.core.certify import EXP32_EPS, U32, _up, weight_rounding
+    B, H, N = w.shape
+    e = np.asarray(e, dtype=np.float64)
+    d = torch.from_numpy(_up(2 * e + 2.0 ** -149)).to(w.device).view(B, H, 1)
+    hi = up64(c.to(torch.float64) + d)
+    theta = torch.from_numpy(_up(U32 * np.minimum(2 * e / ((D + 4) * U32), 88.0) + 2 * EXP32_EPS)).to(w.device).view(B, H, 1)
+    e_up = up64(torch.exp(theta) * (1 + EXP_EPS))
+    e_dn = down64(torch.exp(-theta) * (1 - EXP_EPS))
+    tiny = 2.0 ** -126
+    w64 = w.to(torch.float64)
+    W = w64.sum(-1, keepdim=True)
+    g = 2 * gamma(N)
+    z_dn = down64(down64(down64(W * (1 - g)) * e_dn) - N * tiny)
+    z_up = up64(up64(up64(W * (1 + g)) * e_up) + N * tiny)
+    q_hi = up64(up64(up64(w64 * e_up) + tiny) / z_dn)
+    q_lo = down64(down64(down64(w64 * e_dn) - tiny).clamp(min=0) / z_up)
+    if vmask is not None:
+        m = vmask.expand(B, H, N)
+        q_hi, q_lo, hi = q_hi.masked_fill(~m, 0.0), q_lo.masked_fill(~m, 0.0), hi.masked_fill(~m, 0.0)
+    bound, _ = box_bound_enclosed(q_lo.reshape(B * H, N), q_hi.reshape(B * H, N), -hi.reshape(B * H, N), hi.reshape(B * H, N))
+    # + r_w: the TV to the fp32 weights actually served, as every other form (proofs/Served.v tv_served_le)
+    r_w = torch.from_numpy(weight_rounding(e, N, D)).to(w.device).reshape(B * H)
+    cert["box"] = up32(up64(bound + r_w).clamp(max=1.0)).view(B, H)
+    cert["min"] = torch.minimum(cert["min"], cert["box"])
+    return cert
