@@ -5,7 +5,12 @@ built-in schemes (the prefill reads exact keys under every scheme); each scheme 
 greedily for a few steps with the exact cache kept in the shadow, and every (step, layer,
 query head) check records the certified bound next to the true TV between the exact and the
 served attention. Settings are the hardest ones: no sinks, no exact window (every cached token
-is served compressed, except kivi2's unfinished 32-token key block).
+is served compressed, except kivi2's unfinished 32-token key block). prerope4: keys int4 per
+channel before RoPE (fast.core.prerope), its truth from the exact post-RoPE keys of the shadow copy.
+The eviction row (--evict, default snapkv:0.5): an int8 cache evicted after the prefill; its
+composed bounds (eviction witness + quantization of the kept keys, T7d; the group witness and
+page boxes of PAGE tokens) are checked against TV between attention over ALL exact keys and the
+served attention over the kept int8 keys.
 
     nice -n 10 python -m benchmarks.soundness            # writes results/soundness_<scheme>.json
 """
@@ -27,7 +32,10 @@ ROOT = Path(__file__).resolve().parent.parent
 DITHER_TIER = "dither estimate (adaptive queries)"
 DITHER_CAVEAT = ("an estimate, not a certificate: T6i-T6j are proved for queries and keys fixed before the dither "
                  "is drawn (A2); in decoding the tokens produced, and within a step the layers >= 1, depend on it")
-SCHEMES = ("int8", "int8_dither", "int4", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3_rtz", "fp8_e5m2_rtz", "kivi2")
+SCHEMES = ("int8", "int8_dither", "int4", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3_rtz", "fp8_e5m2_rtz", "kivi2", "prerope4")
+EVICT_TIERS = ("composed (group witness)", "composed (page box p4)")
+EVICT_ROW = "int8_evict"
+PAGE = 4  # tokens per page box (results/pagebox.json: the tightest page size measured)
 COVER = 0.2
 
 WORDS = ("river stone light garden music paper window market winter letter forest bridge candle school "
@@ -76,12 +84,21 @@ def build_prompt(tok, kind, target, seed):
     return chat_ids(tok, "".join(units[:lo]) + "\n\n" + QUESTIONS[kind])
 
 
+def scheme_of(name, config):
+    """A registered scheme's name, or prerope4: keys int4 per channel before RoPE (fast.core.prerope);
+    the shadow copy holds the exact post-RoPE keys the model wrote, the truth reads only those."""
+    if name != "prerope4":
+        return name
+    from fast.core.prerope import prerope_scheme
+    return prerope_scheme(config, bits=4)
+
+
 def run_scheme(model, dyn, first, scheme, steps, args, gate="none", offload="full"):
     from fast.integrations.hf_cache import CertifiedCache
     from fast.integrations.hf_meter import set_current
     set_current(None)
     # dither seed: fresh from the OS per request (the library's default) unless --dither-seed is given
-    cache = CertifiedCache(model.config, scheme, sinks=args.sinks, window=args.window, shadow=True,
+    cache = CertifiedCache(model.config, scheme_of(scheme, model.config), sinks=args.sinks, window=args.window, shadow=True,
                            seed=args.dither_seed, delta_req=args.delta_req, gate=gate, offload=offload)
     cache.fill_from(dyn)
     tok = first
@@ -99,6 +116,80 @@ def run_scheme(model, dyn, first, scheme, steps, args, gate="none", offload="ful
     return out
 
 
+class EvictTruth:
+    """on_decode callback around fast.policies.evictors.Certifier: per layer the eviction bound of the
+    group witness (the trace's "bound"), the page box bound of the same evicted set, and the true
+    TV(p, p~^K) between attention over ALL exact keys (the shadow copy) and the served attention
+    over the kept quantized keys (fp64 softmax of the served keys, as the meter computes p~)."""
+
+    def __init__(self, cert, cache, boxes):
+        self.cert, self.cache, self.boxes = cert, cache, boxes
+        self.rows = []            # per (step, layer): (group bound, box bound, true TV, true evicted mass) [B, H]
+
+    def __call__(self, layer, q, key, attention_mask, scale):
+        from fast.core.evict import log_z_kept_lower
+        from fast.core.pagebox import pagebox_bound
+        from fast.core.witness import logit_error_bound
+        from fast.integrations.hf_meter import served_probs
+        self.cert(layer, q, key, attention_mask, scale)       # appends the newest exact key to cert.full
+        with torch.no_grad():
+            lay = self.cache.layers[layer]
+            rho, _ = lay.witness_view()
+            c = logit_error_bound(q, rho, self.cache.bands, scale)
+            lz = log_z_kept_lower(q, key, scale, valid=self.cert.valid_now, c=c)
+            box = pagebox_bound(q, self.boxes[layer], lz, scale)
+            B, H, D = q.shape
+            full, vf = self.cert.full[layer], self.cert.valid_full    # exact keys, never the codes
+            rep = H // full.shape[1]
+            x = float(scale) * torch.einsum("bhd,bhnd->bhn", q.double(), full.double().repeat_interleave(rep, 1))
+            p = torch.softmax(x.masked_fill(~vf[:, None, :], -float("inf")), -1)
+            p_served = served_probs(q.float(), key.float(), scale, lay.valid)       # [B, H, slots]
+            at = self.cert.orig[layer].repeat_interleave(rep, 1)                    # slot -> exact position
+            p_tilde = torch.zeros_like(p).scatter_add_(2, at, p_served)
+            true = 0.5 * (p - p_tilde).abs().sum(-1)
+            self.rows.append((self.cert.step_bounds[layer], box, true, self.cert.step_true[layer]))
+
+
+def run_evict(model, ids, spec, steps, args):
+    """int8 cache evicted by `spec` after the prefill (witnesses of the quantized evicted keys), greedy
+    decoding; per step, layer and head: composed bounds (T7d: eviction + quantization of the kept keys)
+    of the group witness and of page boxes, and the true TV against the full exact cache."""
+    from benchmarks.pagebox import evicted_order
+    from fast.core.evict import compose_tv
+    from fast.core.pagebox import build_page_box_witness
+    from fast.integrations.hf_cache import CertifiedCache
+    from fast.integrations.hf_meter import set_current
+    from fast.policies.evictors import Certifier, Collector, collecting, evict, layer_kv, make_evictor, prefill
+    set_current(None)
+    evictor = make_evictor(spec)
+    cache = CertifiedCache(model.config, "int8", sinks=args.sinks, window=args.window, shadow=True,
+                           delta_req=args.delta_req)
+    pre = prefill(model, torch.tensor(ids), needs=evictor.needs, cache=cache)
+    kv = [layer_kv(layer) for layer in cache.layers]          # served keys and rho, before eviction
+    ev = evict(pre, evictor, shadow=True)
+    boxes = []
+    for (k, _, rho), keep in zip(kv, ev.keep):
+        idx, ok, _ = evicted_order(pre.valid, keep, k.shape[1])
+        boxes.append(build_page_box_witness(k.float(), idx, page_size=PAGE, evict_valid=ok, rho=rho, bands=cache.bands))
+    shadow = EvictTruth(Certifier(ev, pre.valid, True, cache), cache, boxes)
+    valid_now, next_pos, tok = ev.kept_valid, pre.valid.sum(-1), pre.logits.argmax(-1)
+    for _ in range(steps):                                     # greedy decoding, as evictors.decode does
+        valid_now = torch.cat([valid_now, torch.ones(valid_now.shape[0], 1, dtype=torch.bool)], 1)
+        shadow.cert.valid_now = valid_now
+        with torch.no_grad(), collecting(model, Collector(on_decode=shadow)):
+            out = model(input_ids=tok[:, None], attention_mask=valid_now.long(), position_ids=next_pos[:, None],
+                        past_key_values=cache, use_cache=True)
+        next_pos, tok = next_pos + 1, out.logits[:, -1].argmax(-1)
+    recs = cache.records                                       # decode steps only, in the same call order
+    if len(recs) != len(shadow.rows):
+        raise ValueError(f"{len(recs)} meter records for {len(shadow.rows)} eviction checks")
+    q = torch.stack([r["min"] for r in recs])
+    group, box, true, mass = (torch.stack(x) for x in zip(*shadow.rows))
+    return {"true_tv": true.numpy(), "evict_true": mass.numpy(), "quant_true": torch.stack([r["true_tv"] for r in recs]).numpy(), EVICT_TIERS[0]: compose_tv(group, q).numpy(), EVICT_TIERS[1]: compose_tv(box, q).numpy(),
+            "bytes_per_token": cache.memory()["device_bytes_per_token"], "kept": float(ev.kept_valid.sum(-1).float().mean()),
+            "witness_bytes": ev.witness_bytes, "box_bytes": sum(w.nbytes for w in boxes)}
+
+
 def tier_stats(true, bound):
     pos = true > 1e-9
     ratio = bound[pos] / true[pos]
@@ -106,11 +197,32 @@ def tier_stats(true, bound):
     return {"checks": int(bound.size), "violations": int((true > bound).sum()),
             "worst_true_over_bound": float((true[live] / bound[live]).max()) if live.any() else None,
             "coverage": float((bound <= COVER).mean()), "median_bound": float(np.median(bound)),
+            "nontrivial": float((bound < 1).mean()),  # share of checks whose bound says anything (TV <= 1 always)
             "worst_bound": float(bound.max()),
             "ratio_median": float(np.median(ratio)) if ratio.size else None,
             "ratio_loosest": float(ratio.max()) if ratio.size else None,
             "ratio_tightest": float(ratio.min()) if ratio.size else None,
             "max_true_tv": float(true.max())}
+
+
+def write_evict(acc, args, prompt_lengths, config, out, command, t0):
+    """soundness_int8_evict.json and the eviction row's README rows."""
+    fp16 = 2 * 2 * config.num_hidden_layers * config.num_key_value_heads * 64
+    true = np.concatenate([x.reshape(-1) for x in acc["true_tv"]])
+    tiers = {t: tier_stats(true, np.concatenate([x.reshape(-1) for x in acc[t]])) for t in EVICT_TIERS}
+    doc = {"scheme": "int8", "evictor": args.evict, "tiers": tiers, "prompts": args.prompts * args.batch, "batch": args.batch,
+           "prompt_tokens": prompt_lengths, "kept_tokens_mean": float(np.mean(acc["kept"])), "steps_per_prompt": args.steps,
+           "sinks": args.sinks, "window": args.window, "page_size": PAGE,
+           "truth": "TV between attention over all exact keys (shadow copy) and the served attention over the kept int8 keys",
+           "group_witness_bytes_mean": float(np.mean(acc["witness_bytes"])),
+           "page_box_bytes_mean": float(np.mean(acc["box_bytes"])),
+           "device_bytes_per_token_before_eviction": float(np.mean(acc["bytes_per_token"])), "fp16_bytes_per_token": fp16,
+           "command": command, "machine": machine(), "seconds": round(time.time() - t0, 1)}
+    (out / f"soundness_{EVICT_ROW}.json").write_text(json.dumps(doc, indent=2))
+    return [[f"int8 + {args.evict}", t, st["checks"], st["violations"], f"{st['coverage']:.1%}", f"{st['nontrivial']:.1%}", f"{st['median_bound']:.3g}",
+             f"{st['ratio_median']:.3g}" if st["ratio_median"] else "-",
+             f"{st['worst_true_over_bound']:.3g}" if st["worst_true_over_bound"] is not None else "-", "-"]
+            for t, st in tiers.items()]
 
 
 def machine():
@@ -177,6 +289,8 @@ def main(argv=None):
     ap.add_argument("--dither-seed", type=int, default=None, help="int8_dither seed (default: fresh per request, from the OS)")
     ap.add_argument("--batch", type=int, default=1, help="prompts per batch (equal length, no padding): B x more checks per step")
     ap.add_argument("--delta-req", type=float, default=1e-3)
+    ap.add_argument("--evict", default="snapkv:0.5", help="the eviction row (int8 cache, this evictor after the prefill; "
+                    "soundness_int8_evict.json); none: skip it")
     ap.add_argument("--out", default=str(ROOT / "results"))
     ap.add_argument("--gating", action="store_true", help="run the gating study instead (soundness_gating.json)")
     ap.add_argument("--gating-prompts", type=int, default=6)
@@ -196,6 +310,7 @@ def main(argv=None):
     lengths = [int(x) for x in args.lengths.split(",")]
     schemes = args.schemes.split(",")
     acc = {s: {} for s in schemes}
+    ev_acc = {}
     prompt_lengths = []
     for i in range(args.prompts):
         kind, target = KINDS[i % len(KINDS)], lengths[(i // len(KINDS)) % len(lengths)]
@@ -212,7 +327,13 @@ def main(argv=None):
             for k, v in r.items():
                 if k not in ("memory", "repairs"):
                     acc[s].setdefault(k, []).append(v)
+        if args.evict != "none":
+            r = run_evict(model, ids, args.evict, args.steps, args)
+            for k, v in r.items():
+                ev_acc.setdefault(k, []).append(v)
         worst = {s: int(sum(((t > b).sum() for t, b in zip(acc[s]["true_tv"], acc[s]["min"])))) for s in schemes}
+        if ev_acc:
+            worst[EVICT_ROW] = [int(sum((t > b).sum() for t, b in zip(ev_acc["true_tv"], ev_acc[tier]))) for tier in EVICT_TIERS]
         print(f"[{time.time() - t0:6.0f}s] batch {i + 1}/{args.prompts} ({args.batch} x {n} tokens, first {kind}): violations so far {worst}",
               flush=True)
 
@@ -233,18 +354,22 @@ def main(argv=None):
                "command": command, "machine": machine(), "seconds": round(time.time() - t0, 1)}
         (out / f"soundness_{s}.json").write_text(json.dumps(doc, indent=2))
         for tier, st in tiers.items():
-            rows.append([s, tier, st["checks"], st["violations"], f"{st['coverage']:.1%}", f"{st['median_bound']:.3g}",
+            rows.append([s, tier, st["checks"], st["violations"], f"{st['coverage']:.1%}", f"{st['nontrivial']:.1%}", f"{st['median_bound']:.3g}",
                          f"{st['ratio_median']:.3g}" if st["ratio_median"] else "-",
                          f"{st['worst_true_over_bound']:.3g}" if st["worst_true_over_bound"] is not None else "-",
                          f"{doc['device_bytes_per_token'] / doc['fp16_bytes_per_token']:.2f}"])
-    total = sum(r[2] for r in rows if r[1] == "deterministic")
+    if ev_acc:
+        rows += write_evict(ev_acc, args, prompt_lengths, model.config, out, command, t0)
+    total = sum(r[2] for r in rows if r[1] in ("deterministic", EVICT_TIERS[0]))
     summary = {"command": command, "machine": machine(), "schemes": schemes, "total_checks": total,
                "total_violations": sum(r[3] for r in rows),
                "readme_table": {"title": f"Live certificate on SmolLM2-135M, shadow mode ({args.prompts * args.batch} prompts "
                                          f"in batches of {args.batch}, "
                                          f"{min(prompt_lengths)}-{max(prompt_lengths)} tokens, {args.steps} decode steps each, "
-                                         f"no exact sinks or window; bound <= {COVER} counts as covered)",
-                                "header": ["scheme", "tier", "checks", "violations", "coverage", "median bound",
+                                         f"no exact sinks or window; bound <= {COVER} counts as covered"
+                                         + (f"; int8 + {args.evict}: evicted after the prefill, the composed bound (T7d) "
+                                            "against TV to attention over all exact keys" if ev_acc else "") + ")",
+                                "header": ["scheme", "tier", "checks", "violations", "coverage", "bound < 1", "median bound",
                                            "median bound/true TV", "worst true TV/bound", "bytes vs fp16"],
                                 "rows": rows}}
     (out / "soundness_summary.json").write_text(json.dumps(summary, indent=2))
