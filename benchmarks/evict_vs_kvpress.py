@@ -169,6 +169,18 @@ def kvcert_answers(model, tok, inputs, methods, budgets, modes):
     return out
 
 
+def kvcert_worker(inp, out):
+    import torch
+    from transformers.utils import logging as hf_logging
+    from fast.integrations.model import load_smollm2
+    hf_logging.set_verbosity_error()
+    job = json.loads(Path(inp).read_text())
+    torch.set_num_threads(job["threads"])
+    model, tok = load_smollm2()
+    Path(out).write_text(json.dumps({"answers": kvcert_answers(model, tok, job["inputs"], job["methods"], job["budgets"],
+                                                               job["modes"])}))
+
+
 def summarize(inputs, kvp, kvc, methods, budgets):
     from benchmarks.ruler import score
     from benchmarks.stats import mcnemar, wilson
@@ -187,6 +199,27 @@ def summarize(inputs, kvp, kvc, methods, budgets):
                                       "same_answer_text": sum(1 for r, s in zip(rows, kvp) if r[key].strip() == s[key].strip())}
         cells[key] = cell
     return cells
+
+
+def findings(data):
+    """Sentences for the README, from the cells: per method and budget, each kvcert protocol against
+    kvpress (accuracies, exact McNemar p, identical answer texts)."""
+    n = data["settings"]["n"]
+    out = []
+    for key, c in data["cells"].items():
+        parts = []
+        for m in data["settings"]["kvcert_modes"]:
+            k = c[f"kvcert_{m}"]
+            mc = k["mcnemar_vs_kvpress"]
+            parts.append(f"kvcert ({m}) {k['accuracy']:.2f}, p = {mc['p']:.2g} ({mc['kvcert_only']} inputs right only "
+                         f"with kvcert, {mc['kvpress_only']} only with kvpress; the same answer text on "
+                         f"{k['same_answer_text']} of {n})")
+        out.append(f"{key}: kvpress {c['kvpress']['accuracy']:.2f}; " + "; ".join(parts))
+    for m in data["settings"]["kvcert_modes"]:
+        sig = [k for k, c in data["cells"].items() if c[f"kvcert_{m}"]["mcnemar_vs_kvpress"]["p"] < 0.05]
+        out.append(f"kvcert ({m}) differs from kvpress at p < 0.05 (exact McNemar, not adjusted) in {len(sig)} of "
+                   f"{len(data['cells'])} rows" + (f": {', '.join(sig)}" if sig else ""))
+    return out
 
 
 def table(data):
@@ -223,11 +256,26 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--kvpress-path", default=os.environ.get("KVPRESS_PATH"),
                     help="a --target install of kvpress and its transformers (see the module doc)")
+    ap.add_argument("--procs", type=int, default=1, help="worker processes per side (the inputs split between them)")
     ap.add_argument("--kvpress-worker", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument("--kvcert-worker", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(ROOT / "results" / "evict_vs_kvpress.json"))
+    ap.add_argument("--resummarize", default=None, help="only recompute the summary of this results file from its records")
     args = ap.parse_args(argv)
+    if args.resummarize:
+        data = json.loads(Path(args.resummarize).read_text())
+        st, recs = data["settings"], data["records"]
+        kvc = {m: [r[f"kvcert_{m}"] for r in recs] for m in st["kvcert_modes"]}
+        data["cells"] = summarize(recs, [r["kvpress"] for r in recs], kvc, st["methods"], st["budgets"])
+        data["findings"] = findings(data)
+        data["readme_tables"] = [table(data)]
+        Path(args.resummarize).write_text(json.dumps(data, indent=1))
+        return 0
     if args.kvpress_worker:
         kvpress_worker(*args.kvpress_worker)
+        return 0
+    if args.kvcert_worker:
+        kvcert_worker(*args.kvcert_worker)
         return 0
     if not args.kvpress_path or not Path(args.kvpress_path, "kvpress").is_dir():
         ap.error("--kvpress-path DIR (or $KVPRESS_PATH): a directory holding an install of kvpress (see the module doc)")
@@ -246,19 +294,36 @@ def main(argv=None):
     model, tok = load_smollm2()
     t0 = time.time()
     inputs = make_inputs(tok, args.n, args.tokens)
-    job = Path(args.out).with_suffix(".job.json")
-    got = Path(args.out).with_suffix(".kvpress.json")
-    job.write_text(json.dumps({"inputs": inputs, "budgets": budgets, "methods": methods, "threads": args.threads,
-                               "model_dir": str(converted_dir()), "eos": tok.convert_tokens_to_ids("<|im_end|>")}))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [args.kvpress_path, str(ROOT)])))
-    child = subprocess.Popen([sys.executable, "-m", "benchmarks.evict_vs_kvpress", "--kvpress-worker", str(job), str(got)],
-                             cwd=ROOT, env=env)
-    kvc = kvcert_answers(model, tok, inputs, methods, budgets, modes)
-    if child.wait() != 0:
-        raise SystemExit(f"the kvpress worker failed (exit {child.returncode})")
-    kvp = json.loads(got.read_text())
-    job.unlink()
-    got.unlink()
+    P = max(1, min(args.procs, len(inputs)))
+    shards = [list(range(i, len(inputs), P)) for i in range(P)]
+    base = Path(args.out).with_suffix("")
+    common = {"budgets": budgets, "methods": methods, "modes": modes, "threads": args.threads,
+              "model_dir": str(converted_dir()), "eos": tok.convert_tokens_to_ids("<|im_end|>")}
+    kvp_env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [args.kvpress_path, str(ROOT)])))
+    children, files = [], []
+    for side, env in (("kvpress", kvp_env), ("kvcert", None)):
+        for i, shard in enumerate(shards):
+            job, got = Path(f"{base}.{side}{i}.job.json"), Path(f"{base}.{side}{i}.out.json")
+            job.write_text(json.dumps(dict(common, inputs=[inputs[j] for j in shard])))
+            children.append(subprocess.Popen([sys.executable, "-m", "benchmarks.evict_vs_kvpress", f"--{side}-worker",
+                                              str(job), str(got)], cwd=ROOT, env=env))
+            files.append((side, shard, job, got))
+    failed = [c.args for c in children if c.wait() != 0]
+    if failed:
+        raise SystemExit(f"a worker failed: {failed[0]}")
+    kvp, kvc = [None] * len(inputs), {m: [None] * len(inputs) for m in modes}
+    for side, shard, job, got in files:
+        res = json.loads(got.read_text())
+        for k, j in enumerate(shard):
+            if side == "kvpress":
+                kvp[j] = res["answers"][k]
+                kvp_versions = res["versions"]
+            else:
+                for m in modes:
+                    kvc[m][j] = res["answers"][m][k]
+        job.unlink()
+        got.unlink()
+    kvp = {"answers": kvp, "versions": kvp_versions}
     data = {"command": "nice -n 10 .venv/bin/python -m benchmarks.evict_vs_kvpress "
                        + shlex.join(a for a in (argv if argv is not None else sys.argv[1:])),
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
@@ -276,6 +341,7 @@ def main(argv=None):
     data["records"] = [{"task": x["task"], "seed": x["seed"], "depth": x["depth"], "haystack": x["haystack"],
                         "answers": x["answers"], "kvpress": a, **{f"kvcert_{m}": kvc[m][i] for m in modes}}
                        for i, (x, a) in enumerate(zip(inputs, kvp["answers"]))]
+    data["findings"] = findings(data)
     data["readme_tables"] = [table(data)]
     Path(args.out).write_text(json.dumps(data, indent=1))
     return 0
