@@ -82,7 +82,6 @@ def kvpress_worker(inp, out):
     """Runs in a process whose PYTHONPATH starts with the kvpress install (its transformers)."""
     import torch
     import transformers
-    import kvpress
     from kvpress import KnormPress, RandomPress, SnapKVPress, StreamingLLMPress, TOVAPress
     from kvpress.pipeline import KVPressTextGenerationPipeline
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -113,9 +112,9 @@ def kvpress_worker(inp, out):
         rows.append(row)
         print(f"kvpress [{i + 1}/{len(job['inputs'])}] " + " ".join(f"{k}={int(all(a in t for a in x['answers']))}"
                                                              for k, t in row.items()), flush=True)
-    Path(out).write_text(json.dumps({"versions": {"kvpress": getattr(kvpress, "__version__", None) or _dist("kvpress"),
-                                                  "transformers": transformers.__version__, "torch": torch.__version__},
-                                     "answers": rows}))
+        Path(out).write_text(json.dumps({"versions": {"kvpress": _dist("kvpress"), "transformers": transformers.__version__,
+                                                      "torch": torch.__version__},
+                                         "answers": rows}))             # after every input: --collect reads it
 
 
 def _dist(name):
@@ -128,9 +127,9 @@ def _dist(name):
 
 # ---------------------------------------------------------------- the kvcert side
 
-def kvcert_answers(model, tok, inputs, methods, budgets, modes):
+def kvcert_answers(model, tok, inputs, methods, budgets, modes, progress=None):
     """{mode: [ {key: text} per input ]} for modes 'context' (kvpress's protocol) and 'prompt'
-    (benchmarks.evict_eval's)."""
+    (benchmarks.evict_eval's); progress(out) after every input."""
     import torch
     from benchmarks.evict_eval import parse_spec
     from fast.policies.evictors import copy_prefill, decode, evict, make_evictor, prefill
@@ -166,6 +165,8 @@ def kvcert_answers(model, tok, inputs, methods, budgets, modes):
             out["prompt"].append(row)
         print(f"kvcert [{i + 1}/{len(inputs)}] " + " ".join(f"{m}:{k}={int(all(a in t for a in x['answers']))}"
                                                            for m in modes for k, t in out[m][-1].items()), flush=True)
+        if progress is not None:
+            progress(out)
     return out
 
 
@@ -177,8 +178,8 @@ def kvcert_worker(inp, out):
     job = json.loads(Path(inp).read_text())
     torch.set_num_threads(job["threads"])
     model, tok = load_smollm2()
-    Path(out).write_text(json.dumps({"answers": kvcert_answers(model, tok, job["inputs"], job["methods"], job["budgets"],
-                                                               job["modes"])}))
+    kvcert_answers(model, tok, job["inputs"], job["methods"], job["budgets"], job["modes"],
+                   progress=lambda ans: Path(out).write_text(json.dumps({"answers": ans})))
 
 
 def summarize(inputs, kvp, kvc, methods, budgets):
@@ -260,6 +261,7 @@ def main(argv=None):
     ap.add_argument("--kvpress-worker", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
     ap.add_argument("--kvcert-worker", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(ROOT / "results" / "evict_vs_kvpress.json"))
+    ap.add_argument("--collect", action="store_true", help="combine what stopped workers finished (same arguments)")
     ap.add_argument("--resummarize", default=None, help="only recompute the summary of this results file from its records")
     args = ap.parse_args(argv)
     if args.resummarize:
@@ -294,6 +296,8 @@ def main(argv=None):
     model, tok = load_smollm2()
     t0 = time.time()
     inputs = make_inputs(tok, args.n, args.tokens)
+    if args.collect:
+        return collect(args, argv, inputs, None)
     P = max(1, min(args.procs, len(inputs)))
     shards = [list(range(i, len(inputs), P)) for i in range(P)]
     base = Path(args.out).with_suffix("")
@@ -310,20 +314,52 @@ def main(argv=None):
             files.append((side, shard, job, got))
     failed = [c.args for c in children if c.wait() != 0]
     if failed:
-        raise SystemExit(f"a worker failed: {failed[0]}")
-    kvp, kvc = [None] * len(inputs), {m: [None] * len(inputs) for m in modes}
-    for side, shard, job, got in files:
-        res = json.loads(got.read_text())
-        for k, j in enumerate(shard):
+        raise SystemExit(f"a worker failed: {failed[0]} (what the workers finished: --collect)")
+    return collect(args, argv, inputs, t0)
+
+
+def collect(args, argv, inputs, t0):
+    """Combine the workers' files; when they were stopped early, keep the longest prefix of inputs
+    that both sides finished (the first n' inputs: what `--n n'` runs) and record it."""
+    import torch
+    import transformers
+    budgets = [int(b) for b in args.budgets.split(",")]
+    methods = [m for m in args.methods.split(",") if m]
+    modes = [m for m in args.modes.split(",") if m]
+    base = Path(args.out).with_suffix("")
+    P = max(1, min(args.procs, len(inputs)))
+    shards = [list(range(i, len(inputs), P)) for i in range(P)]
+    kvp, kvc, kvp_versions = [None] * len(inputs), {m: [None] * len(inputs) for m in modes}, None
+    files = []
+    for side in ("kvpress", "kvcert"):
+        for i, shard in enumerate(shards):
+            job, got = Path(f"{base}.{side}{i}.job.json"), Path(f"{base}.{side}{i}.out.json")
+            files += [job, got]
+            if not got.is_file():
+                continue
+            res = json.loads(got.read_text())
             if side == "kvpress":
-                kvp[j] = res["answers"][k]
                 kvp_versions = res["versions"]
+                for k, a in enumerate(res["answers"]):
+                    kvp[shard[k]] = a
             else:
                 for m in modes:
-                    kvc[m][j] = res["answers"][m][k]
-        job.unlink()
-        got.unlink()
+                    for k, a in enumerate(res["answers"][m]):
+                        kvc[m][shard[k]] = a
+    done = 0
+    while done < len(inputs) and kvp[done] is not None and all(kvc[m][done] is not None for m in modes):
+        done += 1
+    if done == 0:
+        raise SystemExit("no input finished on both sides")
+    argv = list(argv if argv is not None else sys.argv[1:])
+    argv = [a for a in argv if a != "--collect"]
+    if done < len(inputs):                     # the command that makes exactly these inputs
+        argv = [a for i, a in enumerate(argv) if a != "--n" and (i == 0 or argv[i - 1] != "--n")] + ["--n", str(done)]
+    inputs_all = inputs
+    inputs, kvp = inputs[:done], kvp[:done]
+    kvc = {m: v[:done] for m, v in kvc.items()}
     kvp = {"answers": kvp, "versions": kvp_versions}
+    args.n = done
     data = {"command": "nice -n 10 .venv/bin/python -m benchmarks.evict_vs_kvpress "
                        + shlex.join(a for a in (argv if argv is not None else sys.argv[1:])),
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
@@ -336,7 +372,7 @@ def main(argv=None):
                          "generation": "greedy, ruler.allowance(task) new tokens, stop at <|im_end|>",
                          "context_tokens": [x["split"] for x in inputs],
                          "question_tokens": [len(x["ids"]) - x["split"] for x in inputs]},
-            "seconds": round(time.time() - t0, 1)}
+            "seconds": round(time.time() - t0, 1) if t0 else None}
     data["cells"] = summarize(inputs, kvp["answers"], kvc, methods, budgets)
     data["records"] = [{"task": x["task"], "seed": x["seed"], "depth": x["depth"], "haystack": x["haystack"],
                         "answers": x["answers"], "kvpress": a, **{f"kvcert_{m}": kvc[m][i] for m in modes}}
@@ -344,6 +380,9 @@ def main(argv=None):
     data["findings"] = findings(data)
     data["readme_tables"] = [table(data)]
     Path(args.out).write_text(json.dumps(data, indent=1))
+    if args.n == len(inputs_all):              # complete: the workers' files go (a partial collect keeps them)
+        for f in files:
+            f.unlink(missing_ok=True)
     return 0
 
 
