@@ -45,7 +45,7 @@ def results_tables():
     return "\n".join(out) if out else "(no results yet: run `make bench`)"
 
 
-EVAL_FILES = ("evict_eval.json", "quant_eval.json", "quant_eval_prerope.json", "harm_study.json")
+EVAL_FILES = ("evict_eval.json", "evict_vs_kvpress.json", "quant_eval.json", "quant_eval_prerope.json", "harm_study.json")
 
 
 def eval_findings():

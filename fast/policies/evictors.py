@@ -662,6 +662,19 @@ class Certifier:
                 gone.scatter_(2, self.orig[layer], False)
                 self.step_true[layer] = evicted_mass(q, full, scale, gone, valid=self.valid_full)
 
+    def appended(self, n, valid):
+        """n tokens were written to every layer of the cache outside a decode step (the question):
+        they join the exact copy (shadow) as kept tokens; valid [B, n]."""
+        if not self.shadow:
+            return
+        for layer in range(len(self.full)):
+            n_all = self.full[layer].shape[2]
+            new = exact_keys(self.cache.layers[layer])[:, :, -n:]
+            self.full[layer] = torch.cat([self.full[layer], new.to(self.full[layer].dtype)], 2)
+            B, Hkv = new.shape[:2]
+            self.orig[layer] = torch.cat([self.orig[layer], (n_all + torch.arange(n)).expand(B, Hkv, n)], 2)
+        self.valid_full = torch.cat([self.valid_full, valid.bool()], 1)
+
     def kept(self, layer, keep):
         """The cache of `layer` now holds only slots `keep` [B, Hkv, K] (a decode-time eviction)."""
         if self.shadow:
@@ -730,20 +743,32 @@ def generate(model, input_ids, attention_mask=None, *, evictor=None, page=None, 
 
 
 def decode(model, pre, ev, *, max_new_tokens=16, certify=True, shadow=False, eos_token_id=None,
-           evictor=None, decode_every=None, group_size=32, cert_steps=None):
+           evictor=None, decode_every=None, group_size=32, cert_steps=None, question=None, question_mask=None,
+           keep_logits=False):
     """Greedy decoding from a prefill (evicted by `ev`, or not when ev is None / gated off).
 
     New tokens take the positions that follow the prompt (RoPE), whatever was evicted; the 2D
-    mask follows the kept layout (left padding preserved). With `evictor` and `decode_every`,
-    the cache is evicted back to the budget every `decode_every` new tokens. cert_steps: certify
-    (and trace) only the first that many steps (evaluation cost); None = every step."""
+    mask follows the kept layout (left padding preserved). question [B, Lq] (kvpress's protocol):
+    the prefill held the context only; the question is prefilled on the evicted cache at the
+    positions after the context (never evicted) and the answer starts from its last logits.
+    question_mask [B, Lq] (bool/0-1, LEFT padding within the question) when questions differ in
+    length. With `evictor` and `decode_every`, the cache is evicted back to the budget every
+    `decode_every` new tokens. cert_steps: certify (and trace) only the first that many steps
+    (evaluation cost); None = every step. keep_logits: also return the logits of every token chosen
+    ("logits" [B, T, V])."""
     evicted = ev is not None and ev.evicted
     valid_now = ev.kept_valid if evicted else pre.valid
-    K = valid_now.shape[1]
     next_pos = pre.valid.sum(-1)                                   # [B] RoPE position of the next token
     tok = pre.logits.argmax(-1)
-    tokens, trace = [tok], []
     cert = Certifier(ev, pre.valid, shadow, pre.cache) if (evicted and certify) else None
+    if question is not None:
+        valid_now, next_pos, first = _prefill_question(model, pre.cache, question, question_mask, valid_now, next_pos)
+        tok = first.argmax(-1)
+        if cert is not None:
+            cert.appended(question.shape[1], valid_now[:, -question.shape[1]:])
+    K = valid_now.shape[1]
+    tokens, trace = [tok], []
+    logits = [first if question is not None else pre.logits] if keep_logits else None
     rolling = evictor is not None and decode_every and evicted
     if rolling and decode_every < 1:
         raise ValueError("decode_every must be >= 1")
@@ -763,6 +788,8 @@ def decode(model, pre, ev, *, max_new_tokens=16, certify=True, shadow=False, eos
         next_pos = next_pos + 1
         tok = out.logits[:, -1].argmax(-1)
         tokens.append(tok)
+        if keep_logits:
+            logits.append(out.logits[:, -1].float())
         if cert is not None:
             step = {"bound": torch.stack([cert.step_bounds[l] for l in sorted(cert.step_bounds)]),
                     "log_odds": torch.stack([cert.step_log_odds[l] for l in sorted(cert.step_log_odds)])}
@@ -779,7 +806,27 @@ def decode(model, pre, ev, *, max_new_tokens=16, certify=True, shadow=False, eos
                     valid_now = reevict(pre.cache, evictor, valid_now, K, ev=ev, cert=cert, group_size=group_size)
                 if cert is not None:
                     cert.valid_now = valid_now
-    return {"tokens": torch.stack(tokens, 1), "eviction": ev, "trace": trace, "prefill": pre}
+    out = {"tokens": torch.stack(tokens, 1), "eviction": ev, "trace": trace, "prefill": pre}
+    if keep_logits:
+        out["logits"] = torch.stack(logits, 1)
+    return out
+
+
+def _prefill_question(model, cache, question, question_mask, valid_now, next_pos):
+    """The question after the (evicted) context: positions continue from the context's length,
+    the mask is the kept layout followed by the question's. Returns (valid, next_pos, first token)."""
+    B, Lq = question.shape
+    if question.dim() != 2 or B != valid_now.shape[0] or Lq < 1:
+        raise ValueError(f"question must be [B={valid_now.shape[0]}, Lq >= 1], got {tuple(question.shape)}")
+    qv = torch.ones(B, Lq, dtype=torch.bool) if question_mask is None else question_mask.bool()
+    if qv.shape != question.shape or not bool(qv[:, -1].all()):
+        raise ValueError("question_mask must be [B, Lq] with LEFT padding (last column all ones)")
+    pos = next_pos[:, None] + positions(qv).clamp_min(0)
+    valid_now = torch.cat([valid_now, qv], 1)
+    with torch.no_grad():
+        out = model(input_ids=question, attention_mask=valid_now.long(), position_ids=pos, past_key_values=cache,
+                    use_cache=True, logits_to_keep=1)
+    return valid_now, next_pos + qv.sum(-1), out.logits[:, -1].float()
 
 
 def copy_prefill(pre, config):
