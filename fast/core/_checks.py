@@ -93,3 +93,14 @@ def gqa(H, Hkv):
     if Hkv < 1 or H % Hkv:
         raise ValueError(f"GQA: query heads H = {H} must be a multiple of KV heads Hkv = {Hkv}")
     return H // Hkv
+
+
+def weights_and_bounds(p_tilde, c):
+    """p_tilde, c: [B, H, N] float, same shape, nonempty rows, finite and >= 0 (the TV forms' inputs)."""
+    tensor("p_tilde", p_tilde, ndim=3)
+    tensor("c", c, ndim=3)
+    if p_tilde.shape != c.shape:
+        raise ValueError(f"p_tilde shape {tuple(p_tilde.shape)} != c shape {tuple(c.shape)}")
+    nonempty("p_tilde", p_tilde, 2)
+    nonneg_finite("p_tilde", p_tilde)
+    nonneg_finite("c", c)

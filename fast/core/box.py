@@ -187,13 +187,7 @@ def box_tv_bound(p_tilde, c, *, return_grid=False):
     p_tilde, c: [B, H, N]. q_lo / q_hi: p~_j / S with rigorous fp64 bounds on S (gamma_N).
     return_grid=True also returns the fp64 inputs and grid that reference.box:box_grid_bound
     evaluates exactly (the differential test)."""
-    _checks.tensor("p_tilde", p_tilde, ndim=3)
-    _checks.tensor("c", c, ndim=3)
-    if p_tilde.shape != c.shape:
-        raise ValueError(f"p_tilde shape {tuple(p_tilde.shape)} != c shape {tuple(c.shape)}")
-    _checks.nonempty("p_tilde", p_tilde, 2)
-    _checks.nonneg_finite("p_tilde", p_tilde)
-    _checks.nonneg_finite("c", c)
+    _checks.weights_and_bounds(p_tilde, c)
     B, H, N = p_tilde.shape
     p = p_tilde.to(torch.float64).reshape(B * H, N)
     c64 = c.to(torch.float64).reshape(B * H, N)

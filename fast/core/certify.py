@@ -156,13 +156,7 @@ def tv_bound_forms(p_tilde, c):
     Returns dict of [B, H] fp32 tensors: tanh, one_minus_b_over_a, e_form, min (capped at 1),
     plus A (up), B (down), max_c. NaN/Inf/negative input or a zero row -> ValueError.
     """
-    _checks.tensor("p_tilde", p_tilde, ndim=3)
-    _checks.tensor("c", c, ndim=3)
-    if p_tilde.shape != c.shape:
-        raise ValueError(f"p_tilde shape {tuple(p_tilde.shape)} != c shape {tuple(c.shape)}")
-    _checks.nonempty("p_tilde", p_tilde, 2)
-    _checks.nonneg_finite("p_tilde", p_tilde)
-    _checks.nonneg_finite("c", c)
+    _checks.weights_and_bounds(p_tilde, c)
     p = p_tilde.to(torch.float64)  # exact: every input dtype embeds in fp64
     c64 = c.to(torch.float64)
     if not bool((p.sum(-1) > 0).all()):

@@ -40,6 +40,19 @@ def _check_finite(name, x):
         raise ValueError(f"{name} contains NaN or Inf")
 
 
+def check_evicted(name, keys, evict_index):
+    """keys [B, Hkv, N, D] finite, evict_index LongTensor [B, Hkv, E] of slots in range -> (B, Hkv, N, D)."""
+    _check_finite(name, keys)
+    if keys.dim() != 4:
+        raise ValueError(f"{name} must be [B, Hkv, N, D], got {tuple(keys.shape)}")
+    B, Hkv, N, D = keys.shape
+    if evict_index.dim() != 3 or evict_index.shape[:2] != (B, Hkv) or evict_index.dtype != torch.long:
+        raise ValueError(f"evict_index must be a LongTensor [B={B}, Hkv={Hkv}, E], got {tuple(evict_index.shape)}")
+    if evict_index.numel() and (evict_index.min() < 0 or evict_index.max() >= N):
+        raise ValueError("evict_index out of range")
+    return B, Hkv, N, D
+
+
 def _round_up_f32(x64):
     """fp64 -> fp32, never below the input (nearest rounding may go down by half an ulp)."""
     x32 = x64.float()
@@ -101,14 +114,7 @@ def build_group_witness(keys, evict_index, bands, *, group_size=32, evict_valid=
     cache): then the exact key is k_j + r_j with ||r_{j,b}|| <= rho_{j,b} and the radius
     grows by rho (triangle inequality). Groups are runs of `group_size` consecutive
     evicted tokens of the same KV head."""
-    _check_finite("keys", keys)
-    if keys.dim() != 4:
-        raise ValueError(f"keys must be [B, Hkv, N, D], got {tuple(keys.shape)}")
-    B, Hkv, N, D = keys.shape
-    if evict_index.dim() != 3 or evict_index.shape[:2] != (B, Hkv) or evict_index.dtype != torch.long:
-        raise ValueError(f"evict_index must be a LongTensor [B={B}, Hkv={Hkv}, E], got {tuple(evict_index.shape)}")
-    if evict_index.numel() and (evict_index.min() < 0 or evict_index.max() >= N):
-        raise ValueError("evict_index out of range")
+    B, Hkv, N, D = check_evicted("keys", keys, evict_index)
     if group_size < 1:
         raise ValueError("group_size must be >= 1")
     if bands.dim() != 2 or bands.numel() != D:

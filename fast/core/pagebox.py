@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fast.core.evict import MAX_TERMS, REL, _band_norms_up, _check_finite, _round_up_f16, tv_from_log_odds
+from fast.core.evict import MAX_TERMS, REL, _band_norms_up, _check_finite, _round_up_f16, check_evicted, tv_from_log_odds
 
 FORMATS = {"fp16": torch.float16, "fp32": torch.float32}
 
@@ -111,14 +111,7 @@ def build_page_box_witness(keys, evict_index, *, page_size=16, evict_valid=None,
     rho: optional [B, Hkv, N, NB] band witness of the stored keys' error (quantized cache),
     with bands [NB, D // NB]: the page is widened by max_j rho_{j,b} per band (T7l);
     fmt: "fp16" or "fp32", the format of lo / hi (rounded outward)."""
-    _check_finite("keys", keys)
-    if keys.dim() != 4:
-        raise ValueError(f"keys must be [B, Hkv, N, D], got {tuple(keys.shape)}")
-    B, Hkv, N, D = keys.shape
-    if evict_index.dim() != 3 or evict_index.shape[:2] != (B, Hkv) or evict_index.dtype != torch.long:
-        raise ValueError(f"evict_index must be a LongTensor [B={B}, Hkv={Hkv}, E], got {tuple(evict_index.shape)}")
-    if evict_index.numel() and (evict_index.min() < 0 or evict_index.max() >= N):
-        raise ValueError("evict_index out of range")
+    B, Hkv, N, D = check_evicted("keys", keys, evict_index)
     if page_size < 1:
         raise ValueError("page_size must be >= 1")
     if fmt not in FORMATS:
