@@ -9,18 +9,10 @@ box_oracle is the exact worst case F* = max_S [a_S / (a_S + b_{S^c}) - q_S] by e
 """
 from mpmath import exp, mpf, workdps
 
+from reference.softmax import _nums as _row  # a non-empty list of finite mpf
+
 DPS = 60
 MAX_ORACLE_N = 16
-
-
-def _row(xs, name):
-    out = [mpf(x) for x in xs]
-    if not out:
-        raise ValueError(f"{name}: empty")
-    for v in out:
-        if v != v or abs(v) == mpf("inf"):
-            raise ValueError(f"{name}: not finite ({v})")
-    return out
 
 
 def _check(ql, qh, lo, hi):
