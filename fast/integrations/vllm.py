@@ -75,8 +75,8 @@ class Config:
         if self.codec not in CODECS:
             raise ValueError(f"kvcert: KVCERT_CODEC={self.codec!r}: expected one of {CODECS}")
         self.gate = parse_gate(env.get("KVCERT_GATE", "none"))
-        if self.gate.kind == "risk":
-            raise ValueError("kvcert: KVCERT_GATE risk:K is not supported in vLLM (use none or certified:TAU)")
+        if self.gate.kind in ("risk", "ladder"):
+            raise ValueError(f"kvcert: KVCERT_GATE {self.gate.kind}: is not supported in vLLM (use none or certified:TAU)")
         self.shadow = env.get("KVCERT_SHADOW", "0") == "1"
         self.certify = env.get("KVCERT_CERTIFY", "1") == "1"
         self.trace_dir = env.get("KVCERT_TRACE_DIR") or None
