@@ -157,3 +157,27 @@ def test_ladder_follows_eviction(model):
     want = quantize(k_exact[:, :1].contiguous(), "int8").codes
     assert torch.equal(quantize(k[:, :1].contiguous(), "int8").codes, want)
     assert layer.up[0]["rho"].shape[2] == index.shape[2]
+
+
+def test_box_form_certifies_the_reads_that_would_trip_the_gate(model):
+    """box_form=True: a read whose forms exceed TAU is certified with the box form too (record "box",
+    taken into min, still >= the true TV); reads already within TAU skip it."""
+    ids = tiny_ids(1, 64, seed=15)
+    plain = CertifiedCache(model.config, "fp8_e5m2", sinks=0, window=0, shadow=True)
+    gen(model, ids, plain, n=3)
+    tau = float(torch.stack([r["min"] for r in plain.records]).quantile(0.9))
+    cache = CertifiedCache(model.config, "fp8_e5m2", gate=f"ladder:{tau}", sinks=0, window=0, shadow=True, box_form=True)
+    gen(model, ids, cache, n=8)
+    boxed = 0
+    for r in cache.records:
+        forms = torch.minimum(torch.minimum(r["tanh"], r["one_minus_b_over_a"]), r["e_form"])
+        assert ("box" in r) == (float(forms.max()) > tau)  # the served read: box iff its forms exceed TAU
+        if "box" in r:
+            boxed += 1
+            assert bool((r["min"] <= r["box"]).all()) and bool((r["min"] <= forms).all())
+        assert bool((r["true_tv"] <= r["min"]).all())
+    assert 0 < boxed < len(cache.records), boxed
+    with_box = sum(r["fresh_repairs"] for r in cache.records)
+    without = CertifiedCache(model.config, "fp8_e5m2", gate=f"ladder:{tau}", sinks=0, window=0)
+    gen(model, ids, without, n=8)
+    assert with_box <= sum(r["fresh_repairs"] for r in without.records)
