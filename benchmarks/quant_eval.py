@@ -110,7 +110,7 @@ def run_input(model, tok, ex, args):
             r = {"ok": score(tok.decode(out), ex["answers"]), "text": tok.decode(out),
                  "bytes_per_token": round(mem["device_bytes_per_token"], 2), "fp16_bytes_per_token": mem["fp16_bytes_per_token"],
                  "bytes_per_token_at_fp16": round(mem["device_bytes_fp16_per_token"], 2),
-                 "heads_per_rung": mem["heads_per_rung"], "promotions": sum(x["fresh_repairs"] for x in cache.records),
+                 "heads_per_rung": cache.heads_per_rung(), "promotions": sum(x["fresh_repairs"] for x in cache.records),
                  "repairs": int(sum(int(layer.repaired.sum()) for layer in cache.layers)),
                  "repair_traffic_bytes": int(mem["repair_traffic_bytes"])}
             if recs:

@@ -139,7 +139,7 @@ def test_rung_bytes_are_the_next_rungs_bytes(model):
     layer.promote([0])  # int8 -> exact: the int8 rung is freed, the head's exact values counted
     assert 0 not in layer.up and bool(layer.repaired[0])
     assert layer.device_bytes(exact_itemsize=2) - before == 2 * 2 * nq * layer.D
-    assert cache.memory()["heads_per_rung"] == [3, 0, 1]
+    assert cache.heads_per_rung() == [3, 0, 1]
 
 
 def test_ladder_follows_eviction(model):

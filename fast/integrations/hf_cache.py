@@ -598,9 +598,12 @@ class CertifiedCache(Cache):
         fp16 = sum(2 * 2 * layer.B * layer.Hkv * layer.n * layer.D for layer in self.layers if layer.is_initialized)
         tokens = max(max((layer.n for layer in self.layers if layer.is_initialized), default=0), 1)
         B = self.layers[0].B if self.layers[0].is_initialized else 1
-        rungs = [int(x) for layer in self.layers if layer.is_initialized for x in layer.rung]
         return {"device_bytes": dev, "device_bytes_fp16": dev16, "offload_bytes": off, "repair_traffic_bytes": traffic,
                 "fp16_bytes": fp16, "tokens": tokens, "batch": B,
                 "device_bytes_per_token": dev / (tokens * B), "device_bytes_fp16_per_token": dev16 / (tokens * B),
-                "fp16_bytes_per_token": fp16 / (tokens * B), "offload_bytes_per_token": off / (tokens * B),
-                "heads_per_rung": [rungs.count(r) for r in range(len(self.rungs) + 2)]}
+                "fp16_bytes_per_token": fp16 / (tokens * B), "offload_bytes_per_token": off / (tokens * B)}
+
+    def heads_per_rung(self):
+        """[count of (layer, KV head) slots at rung r] for r = 0 (the scheme) .. len(rungs) + 1 (exact)."""
+        rungs = [int(x) for layer in self.layers if layer.is_initialized for x in layer.rung]
+        return [rungs.count(r) for r in range(len(self.rungs) + 2)]
