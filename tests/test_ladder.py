@@ -186,7 +186,7 @@ def test_box_form_certifies_the_reads_that_would_trip_the_gate(model):
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2 ** 31 - 1), log_scale=st.floats(-3, 3), outlier=st.floats(1, 200),
+@given(seed=st.integers(0, 2 ** 31 - 1), log_scale=st.floats(-3, 2), outlier=st.floats(1, 100),  # |k| < fp16 max
        scheme=st.sampled_from(["kivi2", "int4", "fp8_e4m3", "fp8_e5m2"]), steps=st.integers(1, 3))
 def test_every_rung_is_sound_against_exact_keys_adversarially(seed, log_scale, outlier, scheme, steps):
     """Property: written straight into the cache (no model), keys with outlier channels, each head

@@ -372,6 +372,10 @@ class CertifiedLayer(CacheLayerMixin):
                 self.traffic += _up_bytes(self.up[h])
         self.repair(top)  # also refreshes served_k / served_v
 
+    def fused_ok(self):
+        """Whether reads of this layer go through the fused C++ kernel (hf_fused.FusedLayer); here never."""
+        return False
+
     def off_base(self):
         """[Hkv] bool: KV heads not served from the cache's own scheme (a higher rung or exact)."""
         return self.rung > 0
@@ -481,12 +485,15 @@ class CertifiedCache(Cache):
     rungs: gate ladder:TAU only, the schemes above `scheme`, lowest first (default LADDERS[scheme]; per
     token, no dither: RUNG_CODECS); exact keys are the top rung;
     box_form: decode reads whose certificate would trip the gate (every decode read without a
-    threshold gate) are certified again with the box form too (spec T9, fast.core.box; torch path).
+    threshold gate) are certified again with the box form too (spec T9, fast.core.box; torch path);
+    backend: "auto" (default) reads through the fused C++ kernel (fast.integrations.hf_fused) wherever
+    it applies (FusedLayer.fused_ok: the read falls back to the torch twin elsewhere, certified the
+    same way), "torch" always through the twin (the readable reference of the same computation).
     """
 
     def __init__(self, config, scheme="int8", *, gate="none", sinks=4, window=32, shadow=False,
                  seed=None, delta_req=1e-3, offload="full", derived=False, nbands=NB, certify=True, value_bound=False,
-                 rungs=None, box_form=False):
+                 rungs=None, box_form=False, backend="auto"):
         self.config = config   # the model's config: its attention implementation must be the meter (check_meter)
         self.scheme = get_scheme(scheme)
         self.gate = parse_gate(gate)
@@ -514,6 +521,9 @@ class CertifiedCache(Cache):
                 raise ValueError(f"rungs {bad}: a rung is one of {', '.join(RUNG_CODECS)} (per token, no dither)")
         self.rung_schemes = [get_scheme(r) for r in self.rungs]
         self.box_form = bool(box_form)
+        if backend not in ("auto", "torch"):
+            raise ValueError(f"backend must be 'auto' (the fused C++ read where it applies) or 'torch', got {backend!r}")
+        self.backend = backend
         self.keep_exact = self.shadow or (self.gate.kind != "none" and offload == "full")
         self.num_layers = config.num_hidden_layers
         self.num_heads = config.num_attention_heads
@@ -530,7 +540,13 @@ class CertifiedCache(Cache):
         self.row_records = []  # one dict per (multi-row read of a non-empty cache, layer): second turns, chunked prefill
         self.risk_done = False
         self.on_layer = None   # optional callback(phase, layer_idx) after each attention call (progress bars)
-        layers = [CertifiedLayer(self, i) for i in range(self.num_layers)]
+        if backend == "auto":
+            from fast.integrations.hf_fused import FusedLayer
+            layers = [FusedLayer(self, i) for i in range(self.num_layers)]
+        else:
+            layers = [CertifiedLayer(self, i) for i in range(self.num_layers)]
+        self._pending = []     # fused reads of this step awaiting the batched certificate epilogue (hf_fused)
+        self.fused_reads = 0
         super().__init__(layers=layers)
 
     def workspace(self, B, Hkv, N, D, dtype, device):

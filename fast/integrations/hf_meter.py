@@ -298,7 +298,11 @@ def kvcert_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     hook = layer.cache.on_layer
-    if query.shape[2] > 1 and layer.n == query.shape[2]:
+    if layer.fused_ok() and layer.n > query.shape[2]:  # the fused C++ read (hf_fused.FusedLayer), certified the same way
+        layer.cache.scale = scale
+        out = layer.fused_read(query, scale), None
+        phase = "decode" if query.shape[2] == 1 else "rows"
+    elif query.shape[2] > 1 and layer.n == query.shape[2]:
         # the first prefill of an empty cache reads the fresh exact keys: no quantized key, no certificate
         out = prefill_step(layer, module, query, key, value, attention_mask, scale, dropout=dropout, **kwargs)
         phase = "prefill"
