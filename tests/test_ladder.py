@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fast.core.attention import decode_attention
-from fast.core.quant import quantize
+from fast.core.quant import dequantize, quantize
 from fast.core.witness import pack_witness, witness
 from fast.integrations.hf_cache import LADDERS, CertifiedCache, Gate, parse_gate
 from fast.integrations.hf_meter import enable
@@ -40,6 +40,15 @@ def captured(cache):
     return seen
 
 
+def refined(k, base, rungs):
+    """The ladder's served keys, computed here from the test's own exact keys: the base codec's round
+    trip, then each rung's codec applied to what is left, added in order (per-token codecs)."""
+    k_hat = dequantize(quantize(k.contiguous(), base))
+    for r in rungs:
+        k_hat = k_hat + dequantize(quantize((k - k_hat).contiguous(), r))
+    return k_hat
+
+
 def test_parse_ladder():
     assert parse_gate("ladder:0.2") == Gate("ladder", tau=0.2)
     assert str(parse_gate("ladder:0.2")) == "ladder:0.2"
@@ -60,8 +69,9 @@ def test_bad_ladders_are_refused(model):
         CertifiedCache(cfg, "kivi2", gate="ladder:0.2", rungs=("kivi2",))
     with pytest.raises(ValueError, match="offload must be 'full'"):
         CertifiedCache(cfg, "int4", gate="ladder:0.2", offload="residual")
-    assert CertifiedCache(cfg, "kivi2", gate="ladder:0.2").rungs == ("int4", "int8")
-    assert CertifiedCache(cfg, "int8", gate="ladder:0.2").rungs == ()  # straight to exact
+    assert CertifiedCache(cfg, "kivi2", gate="ladder:0.2").rungs == ("int4", "int4", "int8")
+    assert CertifiedCache(cfg, "int4", gate="ladder:0.2", rungs=("int8",)).rungs == ("int8",)
+    assert CertifiedCache(cfg, "int8", gate="ladder:0.2", rungs=()).rungs == ()  # straight to exact
 
 
 @pytest.mark.parametrize("scheme", ["kivi2", "int4", "fp8_e5m2"])
@@ -90,24 +100,25 @@ def test_every_served_certificate_is_within_tau_or_exact(model, scheme):
 
 
 def test_promoted_heads_serve_their_rung_of_the_exact_keys(model):
-    """A head promoted int4 -> int8 serves exactly int8(exact keys) (re-encoded from the exact copy,
-    not from the int4 codes), keeps its new tokens at int8, and its stored witness bounds TV against
-    the captured exact keys for random queries at several scales."""
+    """A head promoted one rung serves exactly int4(k) + int4(k - int4(k)) of the captured exact keys
+    (the refinement from the exact copy), its new tokens too, and its stored witness is the witness of
+    that sum and bounds TV against the captured exact keys for random queries at several scales."""
     ids = tiny_ids(2, 48, seed=12)
     cache = CertifiedCache(model.config, "int4", gate="ladder:1", sinks=0, window=0)
     seen = captured(cache)
     out = gen(model, ids, cache, n=2)
     layer = cache.layers[1]
     layer.promote([1])
-    with torch.no_grad():  # two more decode steps: new tokens of head 1 are encoded at int8
+    nq0 = layer.nq
+    with torch.no_grad():  # one more decode step: its token of head 1 is refined too
         model(input_ids=out[:, -1:], past_key_values=cache, use_cache=True)
     k_exact, v_exact = seen[1]
     assert k_exact.shape[2] == layer.n
     k, v = layer.served()
     nq = layer.nq
-    want = quantize(k_exact[:, 1:2, :nq].contiguous(), "int8").codes.float()
-    got8 = quantize(k[:, 1:2, :nq].contiguous(), "int8").codes.float()
-    assert torch.equal(got8, want)  # int8 of the exact keys, re-quantizes to itself
+    assert nq > nq0  # a token written after the promotion is in the quantized part
+    assert torch.equal(k[:, 1:2, :nq], refined(k_exact[:, 1:2, :nq], "int4", ["int4"]))
+    assert torch.equal(k[:, 0:1, :nq], refined(k_exact[:, 0:1, :nq], "int4", []))
     assert not torch.equal(k[:, 0, :nq], k_exact[:, 0, :nq])
     step4 = (k_exact[:, 0, :nq].abs().amax(-1, keepdim=True) / 7)
     err0, err1 = (k[:, 0, :nq] - k_exact[:, 0, :nq]).abs(), (k[:, 1, :nq] - k_exact[:, 1, :nq]).abs()
@@ -128,7 +139,7 @@ def test_promoted_heads_serve_their_rung_of_the_exact_keys(model):
 def test_rung_bytes_are_the_next_rungs_bytes(model):
     """Promoting a head adds that head's int8 codes, scales and witness to the device bytes, and
     the exact rung frees the rung below (counted at 2 bytes per exact value with exact_itemsize=2)."""
-    cache = CertifiedCache(model.config, "int4", gate="ladder:1", sinks=0, window=0)
+    cache = CertifiedCache(model.config, "int4", gate="ladder:1", sinks=0, window=0, rungs=("int8",))
     gen(model, tiny_ids(1, 40, seed=13), cache, n=1)
     layer = cache.layers[0]
     before = layer.device_bytes(exact_itemsize=2)
@@ -136,8 +147,8 @@ def test_rung_bytes_are_the_next_rungs_bytes(model):
     st = layer.up[0]
     nq = layer.nq
     q8 = quantize(layer.exact_k[:, :1, :nq].contiguous(), "int8")
-    assert st["k"].nbytes == q8.codes.nbytes + q8.scales.nbytes
-    assert layer.device_bytes(exact_itemsize=2) - before == st["k"].nbytes + st["v"].nbytes + st["rho"].nbytes
+    assert len(st["k"]) == 1 and st["k"][0].nbytes == q8.codes.nbytes + q8.scales.nbytes
+    assert layer.device_bytes(exact_itemsize=2) - before == st["k"][0].nbytes + st["v"][0].nbytes + st["rho"].nbytes
     layer.promote([0])  # int8 -> exact: the int8 rung is freed, the head's exact values counted
     assert 0 not in layer.up and bool(layer.repaired[0])
     assert layer.device_bytes(exact_itemsize=2) - before == 2 * 2 * nq * layer.D
@@ -146,7 +157,7 @@ def test_rung_bytes_are_the_next_rungs_bytes(model):
 
 def test_ladder_follows_eviction(model):
     """keep_tokens after a promotion keeps the rung's codes, witness and the exact copy aligned."""
-    cache = CertifiedCache(model.config, "int4", gate="ladder:1", sinks=0, window=0)
+    cache = CertifiedCache(model.config, "int4", gate="ladder:1", sinks=0, window=0, rungs=("int8",))
     seen = captured(cache)
     gen(model, tiny_ids(1, 40, seed=14), cache, n=1)
     layer = cache.layers[1]
@@ -156,8 +167,7 @@ def test_ladder_follows_eviction(model):
     cache.keep_tokens(1, index)
     k, _ = layer.served()
     k_exact = seen[1][0][:, :, :n].gather(2, index[..., None].expand(-1, -1, -1, 32))
-    want = quantize(k_exact[:, :1].contiguous(), "int8").codes
-    assert torch.equal(quantize(k[:, :1].contiguous(), "int8").codes, want)
+    assert torch.equal(k[:, :1], refined(k_exact[:, :1], "int4", ["int8"]))
     assert layer.up[0]["rho"].shape[2] == index.shape[2]
 
 

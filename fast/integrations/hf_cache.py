@@ -6,8 +6,10 @@ Storage of one layer, token axis 2, in storage order (= position order until `ke
     [ quantized: kq, vq (packed, nbytes), witness codes ][ tail: exact, newest tokens ]
     + exact overlay (sinks, and tail tokens moved by keep_tokens): c = 0 there
     + offload store (gate != none): exact fp copy, or the residual k - k_hat in int8 with its own witness
-    + ladder rungs (gate ladder:TAU): per promoted KV head, its quantized tokens re-encoded from the
-      exact copy at the next rung (e.g. int4 -> int8), with their own witness; the top rung is exact
+    + ladder rungs (gate ladder:TAU): per promoted KV head, successive refinements: rung r stores
+      the codes of what rungs < r left, k - (k_hat + r_1 + ... + r_{r-1}), at its codec (e.g. kivi2
+      + int4 residual + int8 residual), from the exact copy, and the witness of the sum as served;
+      the top rung is exact
     + shadow copy (shadow mode only: measurement, never counted)
 
 Each token is quantized exactly once, when it leaves the tail (append-only). The tail keeps
@@ -32,9 +34,12 @@ METERS = ("kvcert", "kvcert_fused")  # the attention functions that certify read
 NB = 8  # RoPE bands per head (fast.rope_bands(D, NB, "rotate_half"))
 
 # gate ladder:TAU: the rungs above each built-in scheme, lowest first; exact keys are the rung above the last.
+# Each rung refines what the ones below left (a residual codec), so a same-width rung is not a repeat:
+# int4 + int4 residual is about int8's precision at int4's bytes. Measured on SmolLM2 (README "ladder").
 # A registered or pre-RoPE scheme goes straight to exact unless CertifiedCache(rungs=...) names rungs.
-LADDERS = {"kivi2": ("int4", "int8"), "int4": ("int8",), "fp8_e4m3": ("int8",), "fp8_e5m2": ("int8",),
-           "fp8_e4m3_rtz": ("int8",), "fp8_e5m2_rtz": ("int8",)}
+LADDERS = {"kivi2": ("int4", "int4", "int8"), "int4": ("int4", "int8"), "int8": ("int4",),
+           "fp8_e4m3": ("int4", "int8"), "fp8_e5m2": ("int4", "int8"),
+           "fp8_e4m3_rtz": ("int4", "int8"), "fp8_e5m2_rtz": ("int4", "int8")}
 RUNG_CODECS = ("int8", "int4", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3_rtz", "fp8_e5m2_rtz")  # per token, no dither
 
 
@@ -45,8 +50,9 @@ def _take(t, index):
 
 
 def _up_bytes(st):
-    """Bytes of one promoted head's rung: codes, scales, witness (and value witness)."""
-    return st["k"].nbytes + st["v"].nbytes + st["rho"].nbytes + (0 if st["v_err"] is None else st["v_err"].nbytes)
+    """Bytes of one promoted head's rungs: residual codes and scales, witness (and value witness)."""
+    return (sum(x.nbytes for x in st["k"] + st["v"]) + st["rho"].nbytes
+            + (0 if st["v_err"] is None else st["v_err"].nbytes))
 
 
 def value_error_norms(v, v_hat):
@@ -80,7 +86,7 @@ class CertifiedLayer(CacheLayerMixin):
         self.v_err = self.res_v_err = None  # [B, Hkv, nq] fp32 >= ||v - v~|| (value_bound=True; res_: after a residual repair)
         self.repaired = None   # [Hkv] bool: served exact (the top rung)
         self.rung = None       # [Hkv] long: 0 = the cache's scheme, r = cache.rungs[r - 1], len(rungs) + 1 = exact
-        self.up = {}           # KV head -> its tokens at its rung: {"k", "v": Stored, "rho": codes, "v_err"}
+        self.up = {}           # KV head -> {"k", "v": [Stored of rungs 1..r], "rho": witness codes of the sum, "v_err"}
         self.risk = None       # [Hkv] risk score from the last prefill query (risk gate)
         self.steps = 0         # decode reads certified so far
         self.served_k = self.served_v = None
@@ -217,23 +223,36 @@ class CertifiedLayer(CacheLayerMixin):
             self._append("v_err", value_error_norms(v, vq.decode().to(self.dtype)))
         self.kq = kq if self.kq is None else self.kq.cat(kq)
         self.vq = vq if self.vq is None else self.vq.cat(vq)
-        for h, st in self.up.items():  # promoted heads: their new tokens at their rung too (from the exact copy)
-            new = self._encode_rung(h, self.nq, self.nq + m)
+        if self.up:
+            v_hat = vq.decode().to(self.dtype)
+        for h, st in self.up.items():  # promoted heads: their new tokens refined through their rungs too
+            sl = slice(h, h + 1)
+            new = self._refine(h, self.nq, self.nq + m, k_hat[:, sl], v_hat[:, sl], int(self.rung[h]))
             self.traffic += _up_bytes(new)
-            self.up[h] = {f: st[f].cat(new[f]) if f in ("k", "v") else
-                          (None if st[f] is None else torch.cat([st[f], new[f]], dim=2)) for f in st}
+            self.up[h] = {"k": [a.cat(b) for a, b in zip(st["k"], new["k"])],
+                          "v": [a.cat(b) for a, b in zip(st["v"], new["v"])],
+                          "rho": torch.cat([st["rho"], new["rho"]], dim=2),
+                          "v_err": None if new["v_err"] is None else torch.cat([st["v_err"], new["v_err"]], dim=2)}
         self.nq += m
 
-    def _encode_rung(self, h, lo, hi):
-        """KV head h's quantized-part tokens [lo, hi) at its rung, re-encoded from the exact copy (the
-        offload tier), with their own band witness (T4) and, with value_bound, value witness."""
-        scheme = self.cache.rung_schemes[int(self.rung[h]) - 1]
+    def _refine(self, h, lo, hi, k_hat, v_hat, rungs, first=0):
+        """KV head h's quantized-part tokens [lo, hi) through rungs first+1 .. `rungs`: rung i stores the
+        codes of k - (what is served before it) at its codec, from the exact copy (the offload tier);
+        served = k_hat + r_1 + ... in the model's dtype, in this order (as served() adds them). Returns the
+        rung stores and the witness (T4) and, with value_bound, the value witness of the final sum."""
         k, v = self.exact_k[:, h:h + 1, lo:hi], self.exact_v[:, h:h + 1, lo:hi]  # [B, 1, n, D]
-        kq = scheme.encode_k(k, self.layer_idx, lo, self.cache.seed)
-        vq = scheme.encode_v(v, self.layer_idx, lo, self.cache.seed)
-        rho = pack_witness(witness(k.float(), kq.decode().to(self.dtype).float(), self.cache.bands))
-        v_err = value_error_norms(v, vq.decode().to(self.dtype)) if self.cache.value_bound else None
-        return {"k": kq, "v": vq, "rho": rho, "v_err": v_err}
+        ks, vs = [], []
+        for i in range(first, rungs):
+            scheme = self.cache.rung_schemes[i]
+            rk = scheme.encode_k((k.float() - k_hat.float()).contiguous(), self.layer_idx, lo, self.cache.seed)
+            rv = scheme.encode_v((v.float() - v_hat.float()).contiguous(), self.layer_idx, lo, self.cache.seed)
+            k_hat = k_hat + rk.decode().to(self.dtype)
+            v_hat = v_hat + rv.decode().to(self.dtype)
+            ks.append(rk)
+            vs.append(rv)
+        rho = pack_witness(witness(k.float(), k_hat.float(), self.cache.bands))
+        v_err = value_error_norms(v, v_hat) if self.cache.value_bound else None
+        return {"k": ks, "v": vs, "rho": rho, "v_err": v_err}
 
     # ---- reading ----
     def _decode_into(self, stored, out):
@@ -267,9 +286,10 @@ class CertifiedLayer(CacheLayerMixin):
             if rep and self.cache.offload == "residual":
                 k[:, rep, :nq] += self.res_k.decode()[:, rep].to(self.dtype)
                 v[:, rep, :nq] += self.res_v.decode()[:, rep].to(self.dtype)
-            for h, st in self.up.items():  # promoted heads read their rung
-                k[:, h:h + 1, :nq] = st["k"].decode().to(self.dtype)
-                v[:, h:h + 1, :nq] = st["v"].decode().to(self.dtype)
+            for h, st in self.up.items():  # promoted heads: the scheme's codes plus their rungs' refinements
+                for rk, rv in zip(st["k"], st["v"]):
+                    k[:, h:h + 1, :nq] += rk.decode().to(self.dtype)
+                    v[:, h:h + 1, :nq] += rv.decode().to(self.dtype)
         k[:, :, nq:] = self.k_tail
         v[:, :, nq:] = self.v_tail
         if self.ex_idx.shape[2]:
@@ -316,7 +336,7 @@ class CertifiedLayer(CacheLayerMixin):
                 rho[:, rep, :self.nq] = self.res_rho[:, rep]
             else:
                 rho[:, rep, :self.nq] = unpack_witness(self.res_rho[:, rep])
-        for h, st in self.up.items():  # promoted heads: their rung's own witness
+        for h, st in self.up.items():  # promoted heads: the witness of their refined keys
             rho[:, h:h + 1, :self.nq] = st["rho"] if rho.dtype == torch.uint8 else unpack_witness(st["rho"])
         return rho, self.exact_mask()
 
@@ -361,15 +381,20 @@ class CertifiedLayer(CacheLayerMixin):
         self.served_k, self.served_v = self.served(scratch=True)
 
     def promote(self, heads):
-        """The gate's repair of KV heads `heads`: ladder:TAU moves each one rung up (its tokens
-        re-encoded at the next rung from the exact copy, the rung below freed), the top rung and
+        """The gate's repair of KV heads `heads`: ladder:TAU moves each one rung up (the next rung's
+        refinement of its tokens from the exact copy, the witness measured again), the top rung and
         certified:TAU serve exact keys."""
         top = [h for h in heads if self.cache.gate.kind != "ladder" or int(self.rung[h]) >= len(self.cache.rungs)]
         for h in heads:
             if h not in top and not self.repaired[h]:
-                self.rung[h] += 1
-                self.up[h] = self._encode_rung(h, 0, self.nq)
-                self.traffic += _up_bytes(self.up[h])
+                r = int(self.rung[h])
+                k, v = self.served()  # what head h serves now: the scheme's codes + its rungs so far
+                sl = slice(h, h + 1)
+                new = self._refine(h, 0, self.nq, k[:, sl, :self.nq], v[:, sl, :self.nq], r + 1, first=r)
+                st = self.up.get(h, {"k": [], "v": []})
+                self.up[h] = {"k": st["k"] + new["k"], "v": st["v"] + new["v"], "rho": new["rho"], "v_err": new["v_err"]}
+                self.rung[h] = r + 1
+                self.traffic += sum(x.nbytes for x in new["k"] + new["v"]) + new["rho"].nbytes
         self.repair(top)  # also refreshes served_k / served_v
 
     def fused_ok(self):
@@ -413,7 +438,7 @@ class CertifiedLayer(CacheLayerMixin):
             self._set("v_err", _take(self.v_err, index))
         for h, st in self.up.items():
             ih = index[:, h:h + 1]
-            self.up[h] = {"k": st["k"].take(ih), "v": st["v"].take(ih), "rho": _take(st["rho"], ih),
+            self.up[h] = {"k": [x.take(ih) for x in st["k"]], "v": [x.take(ih) for x in st["v"]], "rho": _take(st["rho"], ih),
                           "v_err": None if st["v_err"] is None else _take(st["v_err"], ih)}
         if self.exact_k is not None:
             self._set("exact_k", _take(self.exact_k, index))

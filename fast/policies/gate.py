@@ -1,9 +1,10 @@
 """The gate: which KV heads the meter sends back to exact keys (none | certified:TAU | ladder:TAU | risk:K).
 
 certified:TAU sends a (layer, KV head) whose certificate exceeds TAU straight to exact keys;
-ladder:TAU moves it up one rung of a precision ladder at a time (e.g. kivi2 -> int4 -> int8 ->
-exact: fast.integrations.hf_cache.LADDERS), each rung certified on its own, until the certificate
-is <= TAU or the head is exact. Shared by the integrations (transformers CertifiedCache, vLLM plugin)."""
+ladder:TAU moves it up one rung of a precision ladder at a time (each rung a residual codec
+refining what the rungs below left, e.g. kivi2 + int4 + int4 + int8 residuals, then exact:
+fast.integrations.hf_cache.LADDERS), each rung certified on its own, until the certificate is
+<= TAU or the head is exact. Shared by the integrations (transformers CertifiedCache, vLLM plugin)."""
 
 from dataclasses import dataclass
 
