@@ -56,7 +56,7 @@ def make_variants(model, exact, B, L, quanto):
     from transformers import DynamicCache
 
     from fast.integrations.hf_cache import CertifiedCache
-    from fast.integrations.hf_fused import FusedCertifiedCache
+    from fast.integrations.hf_cache import FusedCertifiedCache
     valid = torch.ones(B, L, dtype=torch.bool)
     for b in range(B):
         valid[b, : b * L // 8] = False
@@ -171,7 +171,7 @@ def memory_child(variant, path, steps):
     from transformers import DynamicCache
 
     from fast.integrations.hf_cache import CertifiedCache
-    from fast.integrations.hf_fused import FusedCertifiedCache
+    from fast.integrations.hf_cache import FusedCertifiedCache
     from fast.integrations.hf_meter import set_current
     from fast.tools.cli import load
     model, _ = load()
@@ -230,7 +230,7 @@ def memory_only(args, argv):
     """Peak RSS children from a saved prefill; writes doc["memory"] of --out (the rest is kept)."""
     from transformers import DynamicCache
 
-    from fast.integrations.hf_fused import FusedCertifiedCache
+    from fast.integrations.hf_cache import FusedCertifiedCache
     from fast.tools.cli import load
     variants = ["uncompressed", "int8 certified", "int8 (no certificate)", "int8 certified (meter)"]
     children = {}
@@ -350,7 +350,7 @@ def main(argv=None):
     if args.memory:
         memory = measure_memory(last, ["uncompressed", "int8 certified", "int8 (no certificate)", "int8 certified (meter)"],
                                 3, log)
-        from fast.integrations.hf_fused import FusedCertifiedCache
+        from fast.integrations.hf_cache import FusedCertifiedCache
         probe = FusedCertifiedCache(model.config, "int8").fill_from(last)
         fp32_bytes = sum(s.keys.nbytes + s.values.nbytes for s in last.layers)
         memory = {"context_tokens": contexts[-1], "children": memory, "fp32_cache_bytes": fp32_bytes,

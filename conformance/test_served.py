@@ -125,7 +125,7 @@ def test_fused_certificate_covers_served_weights():
 
 def test_fused_cache_refuses_value_bound():
     """FusedCertifiedCache computes no out_err: value_bound=True is refused, never silently dropped."""
-    from fast.integrations.hf_fused import FusedCertifiedCache
+    from fast.integrations.hf_cache import FusedCertifiedCache
     from tests.tiny_model import tiny_llama
     config = tiny_llama().config
     with pytest.raises(ValueError, match="value_bound"):

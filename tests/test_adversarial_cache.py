@@ -1,6 +1,6 @@
 """The standing adversarial suite (issue 8): a stateful Hypothesis machine drives CertifiedCache
-and the meter (fast.integrations.hf_meter.decode_step / rows_step, the functions the "kvcert"
-attention calls) through random interleavings of prefill chunks, decode reads, multi-token reads,
+and the meter (fast.integrations.hf_meter.read, the function the "kvcert" attention calls: the
+fused C++ read where it applies, the torch twin elsewhere; both backends drawn) through random interleavings of prefill chunks, decode reads, multi-token reads,
 eviction and re-eviction (keep_tokens), certified gates with repairs (both offload tiers), batch
 rows of different lengths (left padding), every built-in scheme and registered schemes that
 misbehave (write into their input or its buffer, edit their output later).
@@ -72,10 +72,11 @@ NO_EVICTION = ("kivi2", "int8_dither")  # blocks of 32 tokens / dither counters 
 class CacheMachine(RuleBasedStateMachine):
     @initialize(scheme=st.sampled_from(SCHEMES), B=st.integers(1, 2), sinks=st.integers(0, 3), window=st.integers(0, 6),
                 gate=st.sampled_from(["none", "certified:0.05", "certified:0.5"]), offload=st.sampled_from(["full", "residual"]),
-                seed=st.integers(0, 2 ** 31 - 1), mag=st.sampled_from([0.3, 1.0, 4.0]))
-    def start(self, scheme, B, sinks, window, gate, offload, seed, mag):
+                seed=st.integers(0, 2 ** 31 - 1), mag=st.sampled_from([0.3, 1.0, 4.0]),
+                backend=st.sampled_from(["auto", "torch"]))
+    def start(self, scheme, B, sinks, window, gate, offload, seed, mag, backend):
         meter.set_current(None)
-        self.cache = CertifiedCache(CONFIG, scheme, sinks=sinks, window=window, gate=gate, offload=offload)
+        self.cache = CertifiedCache(CONFIG, scheme, sinks=sinks, window=window, gate=gate, offload=offload, backend=backend)
         self.scheme, self.B, self.mag = scheme, B, mag
         self.g = torch.Generator().manual_seed(seed)
         self.exact = None  # [B, Hkv, N, D] fp64: the test's own copy of every key it wrote
@@ -135,10 +136,10 @@ class CacheMachine(RuleBasedStateMachine):
         served_k, served_v = self._write(1)
         before = len(self.cache.records)
         q = self._query()
-        meter.decode_step(self.layer, q[:, :, None], served_k, served_v, SCALE)
+        meter.read(self.layer, q[:, :, None], served_k, served_v, SCALE)
         assert len(self.cache.records) == before + 1, "a read without a certificate"
         rec = self.cache.records[-1]
-        true = self._truth(q, self.layer.served_k, self.valid)  # after a repair the served keys changed
+        true = self._truth(q, self.layer.served()[0], self.valid)  # every key as served (after a repair too)
         bound = rec["min"].double()
         assert bool(torch.isfinite(bound).all()) and bool((bound <= 1).all())
         assert bool((true <= bound).all()), f"{self.scheme}: true TV {true.tolist()} > bound {bound.tolist()}"
@@ -151,13 +152,13 @@ class CacheMachine(RuleBasedStateMachine):
         served_k, served_v = self._write(T)
         before = len(self.cache.row_records)
         q = self._query(T)
-        meter.rows_step(self.layer, q, served_k, served_v, SCALE)
+        meter.read(self.layer, q, served_k, served_v, SCALE)
         assert len(self.cache.row_records) == before + 1, "a multi-row read without a certificate"
         rec = self.cache.row_records[-1]
         N = self.exact.shape[2]
         for t in range(T):
             visible = self.valid & (torch.arange(N) <= N - T + t)
-            true = self._truth(q[:, :, t], self.layer.served_k, visible)
+            true = self._truth(q[:, :, t], self.layer.served()[0], visible)
             bound = rec["min"][:, t].double()
             assert bool((true <= bound).all()), f"{self.scheme} row {t}: true TV {true.tolist()} > bound {bound.tolist()}"
         self.reads += 1

@@ -11,7 +11,7 @@ import torch
 
 from fast.core.certify import FORMS
 from fast.integrations import hf_fused, hf_meter
-from fast.integrations.hf_cache import CertifiedCache
+from fast.integrations.hf_cache import CertifiedCache, FusedCertifiedCache
 from tests.tiny_model import tiny_ids, tiny_llama
 
 
@@ -41,7 +41,7 @@ def test_decode_matches_meter(monkeypatch):
     monkeypatch.setattr(hf_fused, "FLUSH_BLOCK", 1)  # the meter's cache flushes every step: same contents
     ids = tiny_ids(B=2, N=60)
     ref_logits, ref_cache = _run(TwinCache, "kvcert", ids, 6, window=8, sinks=4)
-    fus_logits, fus_cache = _run(hf_fused.FusedCertifiedCache, hf_fused.NAME, ids, 6, window=8, sinks=4)
+    fus_logits, fus_cache = _run(FusedCertifiedCache, hf_fused.NAME, ids, 6, window=8, sinks=4)
     assert fus_cache.fused_reads == 6 * 2  # every decode read of both layers went through the kernel
     # fp32 both; the attention outputs agree to ~1e-6 relative and go through 2 layers + lm head
     torch.testing.assert_close(fus_logits, ref_logits, rtol=1e-4, atol=1e-4)
@@ -70,10 +70,10 @@ def test_readable_flags_changed_in_place_are_read():
         for layer in cache.layers:
             if rebuild:
                 layer._seg0 = None
-    reuse, c1 = _run(hf_fused.FusedCertifiedCache, hf_fused.NAME, ids, 6, before_step=mask, window=8, sinks=4)
-    fresh, c2 = _run(hf_fused.FusedCertifiedCache, hf_fused.NAME, ids, 6, before_step=lambda c, t: mask(c, t, True),
+    reuse, c1 = _run(FusedCertifiedCache, hf_fused.NAME, ids, 6, before_step=mask, window=8, sinks=4)
+    fresh, c2 = _run(FusedCertifiedCache, hf_fused.NAME, ids, 6, before_step=lambda c, t: mask(c, t, True),
                      window=8, sinks=4)
-    plain, _ = _run(hf_fused.FusedCertifiedCache, hf_fused.NAME, ids, 6, window=8, sinks=4)
+    plain, _ = _run(FusedCertifiedCache, hf_fused.NAME, ids, 6, window=8, sinks=4)
     assert c1.fused_reads == c2.fused_reads == 12 and len(nqs) == 1
     assert torch.equal(reuse, fresh)
     assert (reuse[3:, 0] - plain[3:, 0]).abs().max() > 1e-3 and (reuse[3:, 1] - plain[3:, 1]).abs().max() > 1e-3
@@ -86,7 +86,7 @@ def test_second_turn_rows():
     exact-prefill path would not give (it reads exact keys): compare with the twin on the served copy."""
     ids = tiny_ids(B=1, N=50)
     model = tiny_llama(attn=hf_fused.NAME)
-    cache = hf_fused.FusedCertifiedCache(model.config, "int8", window=4, sinks=2)
+    cache = FusedCertifiedCache(model.config, "int8", window=4, sinks=2)
     with torch.no_grad():
         model(input_ids=ids, past_key_values=cache, use_cache=True)
         hf_meter.set_current(None)
@@ -100,7 +100,7 @@ def test_second_turn_rows():
 
 def test_block_flush_keeps_the_window_exact():
     ids = tiny_ids(B=1, N=70)
-    _, cache = _run(hf_fused.FusedCertifiedCache, hf_fused.NAME, ids, 40, window=8, sinks=4)
+    _, cache = _run(FusedCertifiedCache, hf_fused.NAME, ids, 40, window=8, sinks=4)
     for layer in cache.layers:
         assert 8 <= layer.k_tail.shape[2] < 8 + hf_fused.FLUSH_BLOCK
         assert layer.n == 70 + 40
@@ -123,7 +123,7 @@ def test_refused_epilogue_rows_are_certified_for_the_kernel_output(monkeypatch):
         return out, c
     monkeypatch.setattr(hf_fused, "twin_rows", spy)
     monkeypatch.setattr(cpu_fused, "_certificate", lambda *a, **kw: None)  # every row refused
-    _, cache = _run(hf_fused.FusedCertifiedCache, hf_fused.NAME, tiny_ids(B=2, N=60), 3, window=8, sinks=4)
+    _, cache = _run(FusedCertifiedCache, hf_fused.NAME, tiny_ids(B=2, N=60), 3, window=8, sinks=4)
     assert len(cache.records) == len(seen) == 3 * 2
     for rec, (tmin, t) in zip(cache.records, seen):
         assert bool((t > 0).all())
@@ -153,7 +153,7 @@ def test_eviction_reads_each_overlay_token_once(monkeypatch):
             for l, layer in enumerate(cache.layers):
                 cache.keep_tokens(l, _evict_index(layer.B, layer.Hkv))
     ref_logits, ref_cache = _run(TwinCache, "kvcert", ids, 4, before_step=evict, window=8, sinks=4)
-    fus_logits, fus_cache = _run(hf_fused.FusedCertifiedCache, hf_fused.NAME, ids, 4, before_step=evict, window=8, sinks=4)
+    fus_logits, fus_cache = _run(FusedCertifiedCache, hf_fused.NAME, ids, 4, before_step=evict, window=8, sinks=4)
     assert fus_cache.fused_reads == 4 * 2
     ex = fus_cache.layers[0]
     assert ex.ex_idx.shape[2] == 12 and bool(ex.ex_on.all())  # head 1's overlay: 2 tokens + 10 switched-on duplicates
@@ -169,7 +169,7 @@ def test_eviction_reads_each_overlay_token_once(monkeypatch):
     with torch.no_grad():
         exact = model(input_ids=ids, use_cache=True).past_key_values.layers[1]
     fmodel = tiny_llama(attn=hf_fused.NAME)
-    cache = hf_fused.FusedCertifiedCache(fmodel.config, "int8", window=8, sinks=4)
+    cache = FusedCertifiedCache(fmodel.config, "int8", window=8, sinks=4)
     with torch.no_grad():
         fmodel(input_ids=ids, past_key_values=cache, use_cache=True)
     layer = cache.layers[1]
@@ -213,7 +213,7 @@ def test_huge_key_error_mid_generation_gives_a_vacuous_record(monkeypatch):
                 layer.exact_k[:, 1, -1] *= 1e6
     steps = 14  # the token leaves the 8-token window (and is quantized, witness packed) at step 9
     ref_logits, ref_cache = _run(TwinCache, "kvcert", ids, steps, before_step=poison, window=8, sinks=4, shadow=True)
-    fus_logits, fus_cache = _run(hf_fused.FusedCertifiedCache, hf_fused.NAME, ids, steps, before_step=poison, window=8, sinks=4)
+    fus_logits, fus_cache = _run(FusedCertifiedCache, hf_fused.NAME, ids, steps, before_step=poison, window=8, sinks=4)
     assert len(ref_cache.records) == len(fus_cache.records) == steps * 2
     assert int(ref_cache.layers[0].rho_codes[:, 1].max()) == 255  # the reserved top code was used
     for r in ref_cache.records:

@@ -7,8 +7,8 @@ sends a layer's reads here whenever FusedLayer.fused_ok):
     cache = fast.CertifiedCache(model.config, "int8")         # reads through the kernel
     model.generate(ids, past_key_values=cache)
 
-FusedCertifiedCache is the same class with value_bound=True refused (kept for older code), and
-"kvcert_fused" another name of the meter.
+hf_cache.FusedCertifiedCache is the same class with value_bound=True refused (kept for older code),
+and "kvcert_fused" another name of the meter.
 
 What changes against CertifiedCache + the "kvcert" meter (fast.integrations.hf_meter):
 - update() does not rebuild the served fp32 [B, Hkv, N, D] tensors (CertifiedLayer.served): the
@@ -36,7 +36,7 @@ from fast.core.attention import attention_rows as twin_rows
 from fast.core.certify import FORMS, logit_rounding, with_other_logits
 from fast.core.quant import max_abs
 from fast.integrations import hf_meter
-from fast.integrations.hf_cache import CertifiedCache, CertifiedLayer
+from fast.integrations.hf_layer import CertifiedLayer
 
 NAME = "kvcert_fused"
 
@@ -148,19 +148,6 @@ class FusedLayer(CertifiedLayer):
             k1, v1, pos, val = self.k_tail, self.v_tail, tail_pos.contiguous(), va[:, :, nq:].contiguous()
         s1 = cpu_fused.seg(Hkv, k1.shape[2], k=k1, v=v1, valid=val, pos=pos)
         return [s0, s1], ng
-
-
-class FusedCertifiedCache(CertifiedCache):
-    """CertifiedCache (backend="auto": its reads go through fast.core.cpu_fused where the kernel
-    applies), with value_bound=True refused: the fused read reports no output bound."""
-
-    def __init__(self, config, scheme="int8", **kwargs):
-        if kwargs.get("value_bound"):
-            raise ValueError("FusedCertifiedCache: value_bound=True is not supported (the fused read computes "
-                             "no output bound out_err); use CertifiedCache(..., value_bound=True)")
-        if kwargs.get("backend", "auto") != "auto":
-            raise ValueError("FusedCertifiedCache: backend is 'auto'; use CertifiedCache(..., backend='torch')")
-        super().__init__(config, scheme, **kwargs)
 
 
 def fused_read(layer, query, scale):

@@ -297,24 +297,25 @@ def kvcert_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     if layer is None or key is not layer.served_k or layer.layer_idx != getattr(module, "layer_idx", None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    hook = layer.cache.on_layer
-    if layer.fused_ok() and layer.n > query.shape[2]:  # the fused C++ read (hf_fused.FusedLayer), certified the same way
-        layer.cache.scale = scale
-        out = layer.fused_read(query, scale), None
-        phase = "decode" if query.shape[2] == 1 else "rows"
-    elif query.shape[2] > 1 and layer.n == query.shape[2]:
-        # the first prefill of an empty cache reads the fresh exact keys: no quantized key, no certificate
-        out = prefill_step(layer, module, query, key, value, attention_mask, scale, dropout=dropout, **kwargs)
-        phase = "prefill"
-    elif query.shape[2] > 1:
-        out = rows_step(layer, query, key, value, scale, attention_mask)
-        phase = "rows"
-    else:
-        out = decode_step(layer, query, key, value, scale, attention_mask)
-        phase = "decode"
-    if hook is not None:
-        hook(phase, layer.layer_idx)
+    out, phase = read(layer, query, key, value, scale, attention_mask, module=module, dropout=dropout, **kwargs)
+    if layer.cache.on_layer is not None:
+        layer.cache.on_layer(phase, layer.layer_idx)
     return out
+
+
+def read(layer, query, key, value, scale, mask=None, module=None, **kwargs):
+    """One certified read of `layer` (key, value: what its update returned) by query [B, H, q, D]
+    through the path that applies: the fused C++ read (hf_fused.FusedLayer), the exact first
+    prefill of an empty cache (no quantized key: no certificate), multi-row reads, decode.
+    Returns (output as the attention interface returns it, phase)."""
+    if layer.fused_ok() and layer.n > query.shape[2]:  # certified the same way, records alike
+        layer.cache.scale = scale
+        return (layer.fused_read(query, scale), None), "decode" if query.shape[2] == 1 else "rows"
+    if query.shape[2] > 1 and layer.n == query.shape[2]:
+        return prefill_step(layer, module, query, key, value, mask, scale, **kwargs), "prefill"
+    if query.shape[2] > 1:
+        return rows_step(layer, query, key, value, scale, mask), "rows"
+    return decode_step(layer, query, key, value, scale, mask), "decode"
 
 
 AttentionInterface.register(NAME, kvcert_attention)

@@ -127,14 +127,19 @@ class Collector:
     """Active during a forward: computes, per layer, only the statistics in `needs`.
 
     needs: subset of {"window", "window_heads", "accumulated", "last", "change"}. `on_decode(layer, query,
-    key, attention_mask, scale)` is called on every single-token step (certificates)."""
+    key, attention_mask, scale)` is called on every single-token step (certificates). cache: the
+    forward's cache, where attention may be handed fewer keys than it holds (kvcert's fused read
+    passes only its exact tail): the collector then looks at every key as the cache serves it."""
 
-    def __init__(self, needs=(), obs=OBS, chunk=256, on_decode=None):
+    def __init__(self, needs=(), obs=OBS, chunk=256, on_decode=None, cache=None):
         self.needs, self.obs, self.chunk, self.on_decode = set(needs), obs, chunk, on_decode
-        self.layers = {}
+        self.cache, self.layers = cache, {}
 
     def observe(self, module, query, key, attention_mask, scale):
         layer = module.layer_idx
+        lay = self.cache.layers[layer] if self.cache is not None and layer < len(self.cache.layers) else None
+        if lay is not None and getattr(lay, "n", key.shape[2]) != key.shape[2]:
+            key = lay.served()[0]
         B, H, q_len, D = query.shape
         N, Hkv = key.shape[2], key.shape[1]
         if q_len == 1:
@@ -496,7 +501,7 @@ def prefill(model, input_ids, attention_mask=None, *, needs=(), cache=None):
     if valid.shape != input_ids.shape or (valid[:, -1] == 0).any():
         raise ValueError("attention_mask must be [B, N] with LEFT padding (last column all ones)")
     cache = DynamicCache(config=model.config) if cache is None else cache
-    col = Collector(needs)
+    col = Collector(needs, cache=cache)
     pos = positions(valid).clamp_min(0)
     with torch.no_grad(), collecting(model, col):
         out = model(input_ids=input_ids, attention_mask=valid.long(), position_ids=pos, past_key_values=cache, use_cache=True,
@@ -778,7 +783,7 @@ def decode(model, pre, ev, *, max_new_tokens=16, certify=True, shadow=False, eos
         valid_now = torch.cat([valid_now, torch.ones(valid_now.shape[0], 1, dtype=torch.bool)], 1)
         if cert is not None and cert_steps is not None and t >= cert_steps:
             cert = None                                                # the trace stops here
-        col = Collector(needs=evictor.needs if rolling else (), on_decode=cert)
+        col = Collector(needs=evictor.needs if rolling else (), on_decode=cert, cache=pre.cache)
         if cert is not None:
             cert.valid_now = valid_now
             cert.step_bounds, cert.step_true, cert.step_log_odds, cert.step_variants = {}, {}, {}, {}
