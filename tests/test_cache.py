@@ -9,7 +9,7 @@ from fast.integrations.hf_meter import enable
 from fast.core.schemes import CODECS, SchemeError, get_scheme, register_scheme, unregister_scheme
 from tests.tiny_model import tiny_ids, tiny_llama
 
-SCHEMES = CODECS + ("kivi2",)
+SCHEMES = CODECS + ("kivi2", "kivi2_dither")
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_shadow_bound_holds_every_check(model, scheme):
         bound = stacked(cache, form)
         assert bool((true <= bound).all()), f"{scheme}/{form}: true TV {true.max()} above the bound"
     assert float(true.max()) > 0  # the check is not vacuous: the cache is really compressed
-    if scheme == "int8_dither":
+    if get_scheme(scheme).dither:  # int8_dither, int4_dither, kivi2_dither: the estimate is recorded
         assert bool((true <= stacked(cache, "dither_estimate")).all())
 
 
