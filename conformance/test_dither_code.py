@@ -195,3 +195,47 @@ def test_int4_dither_failure_rate_against_exact_keys():
 def test_kivi2_dither_failure_rate_against_exact_keys():
     """property (reference vs truth): kivi2_dither keys (per channel over blocks of 32 tokens) (T6o)."""
     check_failure_rate_against_exact_keys("kivi2_dither")
+
+
+def _repeated_keys(scheme, N, D, g):
+    """N tokens sharing one exact key (kivi2_dither: tokens 0 and 1 of every 32-token block carry the
+    channel's min and max, the rest the shared key), and the query q_i = sign of the undithered rounding
+    error of channel i, computed from the exact key alone (fixed before the dither: A2 holds)."""
+    v = torch.rand(D, generator=g) * 2 - 1
+    k = v.expand(1, 1, N, D).clone()
+    if scheme == "kivi2_dither":
+        k[0, 0, 0::32], k[0, 0, 1::32] = -1.0, 1.5
+        lo, sc = -1.0, 2.5 / 3
+        y = (v - lo) / sc
+    else:
+        sc = float(v.abs().max()) / 7
+        y = v / sc
+    q = torch.sign(torch.round(y) - y)
+    return k, q.tolist(), [j for j in range(N) if scheme != "kivi2_dither" or j % 32 > 1]
+
+
+@workdps(30)
+def check_repeated_keys_decorrelated(scheme):
+    """Reference vs truth on keys the undithered codec rounds coherently: every token shares one key, and
+    the query follows the sign of its rounding error, so without dither every token's logit error adds up
+    coherently (all of them would fail); with the dither the errors are independent across tokens, and at
+    n = 1, d = 0.2 at most d of the tokens (4 binomial standard errors) exceed the reference radius (T6o).
+    A dither repeated across tokens would fail here."""
+    N, D, d = 2048, 32, 0.2
+    s = 1 / math.sqrt(D)
+    k, q, tokens = _repeated_keys(scheme, N, D, torch.Generator().manual_seed(5))
+    kt, delta = _codec(scheme, k, seed=77)
+    eps = ((k.double() - kt.double())[0, 0] @ torch.tensor(q, dtype=torch.float64)) * s
+    bad = sum(abs(mpf(float(eps[j]))) > _token_radius(q, delta[0, 0, j].double().tolist(), s, 1, d) for j in tokens)
+    rate = bad / len(tokens)
+    assert rate <= d + 4 * math.sqrt(d * (1 - d) / len(tokens)), (scheme, rate)
+
+
+def test_int4_dither_decorrelates_repeated_keys():
+    """property (reference vs truth): int4_dither on repeated keys (T6o, A1)."""
+    check_repeated_keys_decorrelated("int4_dither")
+
+
+def test_kivi2_dither_decorrelates_repeated_keys():
+    """property (reference vs truth): kivi2_dither keys on repeated keys (T6o, A1)."""
+    check_repeated_keys_decorrelated("kivi2_dither")
