@@ -16,7 +16,7 @@ from mpmath import exp, mpf, workdps
 
 from conformance._check import DPS, expect, le, replay
 from reference.dither import (GRID_N, bcode_error_mean, bcode_error_mgf, bcode_errors, code_range,
-                              dither_radius_grid, grid_errors, in_code_range)
+                              dither_radius_grid, dither_sigma, grid_errors, in_code_range)
 
 ETA32 = Fraction(1, 2 ** 18)  # fl32(y + u) before round(): ulp/2 for |y + u| < 128 (A6)
 BITS = [1, 2, 4, 8]
@@ -219,8 +219,9 @@ def check_repeated_keys_decorrelated(scheme):
     """Reference vs truth on keys the undithered codec rounds coherently: every token shares one key, and
     the query follows the sign of its rounding error, so without dither every token's logit error adds up
     coherently (all of them would fail); with the dither the errors are independent across tokens, and at
-    n = 1, d = 0.2 at most d of the tokens (4 binomial standard errors) exceed the reference radius (T6o).
-    A dither repeated across tokens would fail here."""
+    n = 1, d = 0.2 at most d of the tokens (4 binomial standard errors) exceed the reference radius (T6o);
+    and their spread across tokens is the reference's sigma (centred sample variance within 20% of
+    sigma^2, A1): a dither repeated across tokens gives every token one error (variance 0) and fails."""
     N, D, d = 2048, 32, 0.2
     s = 1 / math.sqrt(D)
     k, q, tokens = _repeated_keys(scheme, N, D, torch.Generator().manual_seed(5))
@@ -229,6 +230,9 @@ def check_repeated_keys_decorrelated(scheme):
     bad = sum(abs(mpf(float(eps[j]))) > _token_radius(q, delta[0, 0, j].double().tolist(), s, 1, d) for j in tokens)
     rate = bad / len(tokens)
     assert rate <= d + 4 * math.sqrt(d * (1 - d) / len(tokens)), (scheme, rate)
+    sigma = dither_sigma(q, delta[0, 0, tokens[0]].double().tolist(), s)  # the same steps at every token
+    spread = float(eps[tokens].var()) / float(sigma) ** 2
+    assert 0.8 <= spread <= 1.2, (scheme, spread)
 
 
 def test_int4_dither_decorrelates_repeated_keys():
