@@ -297,7 +297,8 @@ class CertifiedLayer(CacheLayerMixin):
         return ve.masked_fill(self.exact_mask(), 0.0)
 
     def step_view(self):
-        """delta [B, Hkv, N, D]: the dither step of each served element (0 where exact): int8_dither only."""
+        """delta [B, Hkv, N, D]: the dither step of each served element (0 where exact): the dithered schemes
+        (int8_dither, int4_dither, kivi2_dither) only."""
         delta = torch.zeros(self.B, self.Hkv, self.n, self.D, device=self.device)
         if self.nq:
             delta[:, :, :self.nq] = self.kq.step()
@@ -401,7 +402,7 @@ class CertifiedCache(Cache):
 
     scheme: a registered scheme name (fast.core.schemes); gate: none | certified:TAU | risk:K;
     sinks / window: exact first / newest tokens; shadow: keep the exact cache and measure true TV;
-    seed, delta_req: the dither tier (int8_dither; records it as dither_estimate: an estimate in decoding, never
+    seed, delta_req: the dither tier (int8_dither, int4_dither, kivi2_dither; records it as dither_estimate: an estimate in decoding, never
     gated, see fast.integrations.hf_meter; seed=None: a fresh 64-bit seed per cache, i.e. per
     request, drawn from the OS; each batch row and keys/values get their own counters); offload: "full" (exact copy) or "residual";
     certify=False serves the compressed cache without certificates (the meter-overhead baseline);
