@@ -78,8 +78,12 @@ Hypothesis HN : (0 < N)%nat.
 Variable rnd : R -> Z.
 Hypothesis R_mono : forall a c, a <= c -> (rnd a <= rnd c)%Z.
 Variable eta : R.
+Hypothesis eta_nonneg : 0 <= eta.
 Hypothesis eta_lt : 2 * eta < / INR N.
-Hypothesis R_close : forall z, Rabs (IZR (rnd z) - z) <= / 2 + eta.
+(** The rounding need be close only within a step of the code range, where the code evaluates it
+    (fl32's half ulp there: 2^-18 for int8, 2^-22 for int4 and 2-bit codes). *)
+Hypothesis R_close : forall z, IZR (code_lo signed b) - 1 <= z <= IZR (code_hi signed b) + 1 ->
+  Rabs (IZR (rnd z) - z) <= / 2 + eta.
 
 (** A scale choice that never clamps: with the scaled input in the code range, the clamp into
     the b-bit range leaves the code unchanged at every point of the dither grid. *)
@@ -88,14 +92,19 @@ Theorem bcode_eq_of_in_range y :
   forall i, (i < N)%nat -> bcode signed b rnd (y + grid_u N i) = rnd (y + grid_u N i).
 Proof.
   intros [Hlo Hhi] i Hi. destruct (grid_u_bounds N i HN Hi) as [Hu1 Hu2].
-  unfold bcode. apply (clamp_eq_of_close _ _ _ eta (y + grid_u N i)); [apply R_close|lra|lra].
+  assert (HNr : 0 < INR N) by (apply lt_0_INR; lia).
+  assert (Hh : 0 < / (2 * INR N)) by (apply Rinv_0_lt_compat; lra).
+  unfold bcode. apply (clamp_eq_of_close _ _ _ eta (y + grid_u N i)); [apply R_close; lra|lra|lra].
 Qed.
 
 Lemma bcode_close y :
   in_code_range signed b N eta y ->
   forall i, (i < N)%nat -> Rabs (grid_err N (bcode signed b rnd) y i) <= / 2 + eta.
 Proof.
-  intros Hy i Hi. unfold grid_err. rewrite (bcode_eq_of_in_range y Hy i Hi). apply R_close.
+  intros Hy i Hi. unfold grid_err. rewrite (bcode_eq_of_in_range y Hy i Hi).
+  assert (HNr : 0 < INR N) by (apply lt_0_INR; lia).
+  assert (Hh : 0 < / (2 * INR N)) by (apply Rinv_0_lt_compat; lra).
+  destruct Hy as [Hlo Hhi]. destruct (grid_u_bounds N i HN Hi) as [Hu1 Hu2]. apply R_close; lra.
 Qed.
 
 (** T6g for b-bit codes: the mean grid error of the clamped code is within 1/(2N) + eta. *)
@@ -142,14 +151,15 @@ Hypothesis R_mono : forall a c, a <= c -> (rnd a <= rnd c)%Z.
 Variable eta : R.
 Hypothesis eta_nonneg : 0 <= eta.
 Hypothesis eta_lt : 2 * eta < / INR N.
-Hypothesis R_close : forall z, Rabs (IZR (rnd z) - z) <= / 2 + eta.
+Hypothesis R_close : forall z, IZR (code_lo signed b) - 1 <= z <= IZR (code_hi signed b) + 1 ->
+  Rabs (IZR (rnd z) - z) <= / 2 + eta.
 Variables (M : nat) (ys : nat -> R).
 Hypothesis ys_in_range : forall k, (k < M)%nat -> in_code_range signed b N eta (ys k).
 
 Lemma bcode_close_all :
   forall k i, (k < M)%nat -> (i < N)%nat -> Rabs (grid_err N (bcode signed b rnd) (ys k) i) <= / 2 + eta.
 Proof.
-  intros k i Hk Hi. apply (bcode_close N signed b (HN N K HNK) rnd eta R_close (ys k) (ys_in_range k Hk) i Hi).
+  intros k i Hk Hi. apply (bcode_close N signed b (HN N K HNK) rnd eta eta_nonneg R_close (ys k) (ys_in_range k Hk) i Hi).
 Qed.
 
 (** T6i for b-bit codes: one token's logit error, within rho of a fixed linear form in the
