@@ -243,3 +243,31 @@ def test_int4_dither_decorrelates_repeated_keys():
 def test_kivi2_dither_decorrelates_repeated_keys():
     """property (reference vs truth): kivi2_dither keys on repeated keys (T6o, A1)."""
     check_repeated_keys_decorrelated("kivi2_dither")
+
+
+def check_code_round32(case):
+    """round_half_even(fl32(z)) is within 1/2 + 8 u32 + 2^-150 of z on [-8, 8] and monotone (T6p,
+    code_round32_close, code_round32_mono)."""
+    from reference.dither import ETA_SMALL, code_round32
+    a, b = sorted(Fraction(case["num"][i], 2 ** case["den"][i]) for i in range(2))
+    for z in (a, b):
+        err = abs(code_round32(z) - z)
+        expect(abs(z) > 8 or err <= Fraction(1, 2) + ETA_SMALL, check_code_round32, case, f"z = {z}: error {float(err)}")
+    expect(code_round32(a) <= code_round32(b), check_code_round32, case, f"not monotone at {a} <= {b}")
+
+
+@settings(max_examples=200, deadline=None)
+@replay("test_code_round32_close_and_monotone")
+@given(case=st.fixed_dictionaries({"num": st.lists(st.integers(-2 ** 40, 2 ** 40), min_size=2, max_size=2),
+                                   "den": st.lists(st.integers(36, 60), min_size=2, max_size=2)}))
+def test_code_round32_close_and_monotone(case):
+    """property: the code's own rounding on [-8, 8] (T6p); the dyadic inputs carry more bits than fp32."""
+    check_code_round32(case)
+
+
+def test_code_round32_needs_its_eta():
+    """property (T6p): fl32 before the rounding costs more than 1/2 (here 1/2 + 2^-30: 0.5 + 2^-30 rounds to 0.5 in
+    fp32, then to 0 by ties-to-even), and the bound 1/2 + 8 u32 + 2^-150 is what the proof allows."""
+    from reference.dither import ETA_SMALL, code_round32
+    z = Fraction(1, 2) + Fraction(1, 2 ** 30)
+    assert code_round32(z) == 0 and abs(code_round32(z) - z) == Fraction(1, 2) + Fraction(1, 2 ** 30) <= Fraction(1, 2) + ETA_SMALL

@@ -8,7 +8,8 @@
     grid point, so all of T6g-T6j hold for the clamped code; when y lies a whole step outside it,
     every grid error is below -(1/2 + 1/(2N)) and the law fails (the code must refuse, never clamp). *)
 From Coq Require Import Reals Lra Lia ZArith.
-From KVCert Require Import Prelim Dither DitherGrid.
+From Flocq Require Import Core.
+From KVCert Require Import Prelim Dither DitherGrid Float FloatDot.
 Open Scope R_scope.
 
 (** * b-bit code ranges *)
@@ -195,3 +196,71 @@ Proof.
 Qed.
 
 End Read.
+
+(** * The code's own rounding at 4 and 2 bits
+
+    fast/core/quant.py dither_codes computes m = round_half_even(fl32(y + u)). Within a step of a code
+    range inside [-8, 8] (int4_dither [-7, 7], kivi2_dither [0, 3]) that rounding is monotone and
+    within 1/2 + 2^-21 + 2^-150 of its argument, so DitherCode's hypotheses hold for it with no
+    appeal to A6 (the rest of the codecs' fp32 error, rho, stays A6). *)
+
+Definition code_round32 (choice tie : Z -> bool) (z : R) : Z := Znearest tie (rn32 choice z).
+
+Definition eta_small : R := 8 * u32 + eta32.
+
+Lemma code_round32_mono choice tie a c : a <= c -> (code_round32 choice tie a <= code_round32 choice tie c)%Z.
+Proof.
+  intros H. unfold code_round32. apply Zrnd_le; [apply valid_rnd_N|].
+  unfold rn32, rn_fmt. apply round_le; [apply FLT_exp_valid; exact prec32_gt_0|apply valid_rnd_N|exact H].
+Qed.
+
+Lemma eta_small_bounds : 0 <= eta_small /\ 2 * eta_small < / INR (2 ^ 16).
+Proof.
+  unfold eta_small, u32, eta32. rewrite pow_INR. simpl INR.
+  split; [|apply Rminus_gt_0_lt; simpl; field_simplify; lra].
+  assert (0 < / 2 ^ 24) by (apply Rinv_0_lt_compat, pow_lt; lra).
+  assert (0 < / 2 ^ 150) by (apply Rinv_0_lt_compat, pow_lt; lra). lra.
+Qed.
+
+(** The code's rounding is close within a step of any code range inside [-7, 7]. *)
+Theorem code_round32_close choice tie signed b z :
+  (-7 <= code_lo signed b)%Z -> (code_hi signed b <= 7)%Z ->
+  IZR (code_lo signed b) - 1 <= z <= IZR (code_hi signed b) + 1 ->
+  Rabs (IZR (code_round32 choice tie z) - z) <= / 2 + eta_small.
+Proof.
+  intros Hlo Hhi Hz. apply IZR_le in Hlo. apply IZR_le in Hhi.
+  assert (Hz8 : Rabs z <= 8) by (apply Rabs_le; lra).
+  pose proof (abs_rn_sub_le (-149) 24 prec32_gt_0 choice z) as Hr.
+  rewrite <- u32_eq, <- eta32_eq in Hr. fold (rn32 choice z) in Hr.
+  pose proof (Znearest_half tie (rn32 choice z)) as Hn.
+  assert (Hu : 0 < u32) by apply u32_small.
+  assert (Hux : u32 * Rabs z <= u32 * 8) by (apply Rmult_le_compat_l; lra).
+  replace (IZR (code_round32 choice tie z) - z)
+    with (- (rn32 choice z - IZR (Znearest tie (rn32 choice z))) + (rn32 choice z - z)) by (unfold code_round32; ring).
+  eapply Rle_trans; [apply Rabs_triang|]. rewrite Rabs_Ropp. unfold eta_small. lra.
+Qed.
+
+Lemma int4_kivi2_windows :
+  ((-7 <= code_lo true 4)%Z /\ (code_hi true 4 <= 7)%Z) /\ ((-7 <= code_lo false 2)%Z /\ (code_hi false 2 <= 7)%Z).
+Proof. vm_compute. repeat split; discriminate. Qed.
+
+(** T6i at 4 and 2 bits with the code's own rounding: for int4_dither (signed, b = 4) and kivi2_dither
+    (unsigned, b = 2) codes m = round(fl32(y + u)) on the 16-bit grid, with every scaled input in its code
+    range, one token's logit error exceeds bias + rho + sigma sqrt(2 ln(2n/d)), the bias with
+    eta = 2^-21 + 2^-150 (the code's radius uses 2^-18), with probability at most d/n. *)
+Theorem token_failure_le_of_code_round32 choice tie signed b (M : nat) (ys : nat -> R)
+  (c : nat -> R) (Xr : (nat -> nat) -> R) (rho : R) (n : nat) (d : R) :
+  (signed = true /\ b = 4%nat) \/ (signed = false /\ b = 2%nat) ->
+  (forall k, (k < M)%nat -> in_code_range signed b (2 ^ 16) eta_small (ys k)) ->
+  (0 < n)%nat -> 0 < d -> d <= 2 * INR n ->
+  (forall w, Rabs (Xr w - lin_err (2 ^ 16) (bcode signed b (code_round32 choice tie)) ys M c w) <= rho) ->
+  Eu (2 ^ 16) M (viol Xr (bias_bound (2 ^ 16) eta_small M c + rho + sqrt (proxy M c) * sqrt (2 * ln (2 * INR n / d))))
+  <= d / INR n.
+Proof.
+  intros Hsb Hys. destruct eta_small_bounds as [He0 He1].
+  assert (Hw : (-7 <= code_lo signed b)%Z /\ (code_hi signed b <= 7)%Z).
+  { destruct int4_kivi2_windows as [H4 H2]. destruct Hsb as [[-> ->]|[-> ->]]; assumption. }
+  apply (token_failure_le_of_bcode (2 ^ 16) 16 signed b eq_refl (code_round32 choice tie)
+           (code_round32_mono choice tie) eta_small He0 He1
+           (fun z Hz => code_round32_close choice tie signed b z (proj1 Hw) (proj2 Hw) Hz) M ys Hys).
+Qed.

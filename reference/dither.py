@@ -205,3 +205,13 @@ def bcode_error_mgf(y, a, signed, b, N=GRID_N, fp32_add=False):
     mu = sum(errs, Fraction(0)) / N
     a = mpf(a)
     return sum((exp(a * mpf((e - mu).numerator) / (e - mu).denominator) for e in errs), mpf(0)) / N
+
+
+ETA_SMALL = Fraction(8, 2 ** 24) + Fraction(1, 2 ** 150)  # DitherCode.v eta_small: 8 u32 + 2^-150
+
+
+def code_round32(z):
+    """round_half_even(fl32(z)), exact (DitherCode.v code_round32 with ties to even: the code's
+    torch.round of the fp32 y + u). Within a step of a code range inside [-7, 7] it is within
+    1/2 + ETA_SMALL of z (code_round32_close)."""
+    return _round_half_even(_fl32(Fraction(z)))
