@@ -74,7 +74,7 @@ def check_codes_match_reference(case):
     for x, m, s, z, u, _, _ in _rows(case):
         y = _y(case["scheme"], Fraction(x), Fraction(s), Fraction(z))
         expect(ref.in_code_range(y, signed, b, ETA32), check_codes_match_reference, case, f"y = {float(y)} outside [{lo}, {hi}]")
-        want = min(hi, max(lo, ref._round_half_even(ref._fl32(y + Fraction(u)))))
+        want = min(hi, max(lo, ref.code_round32(y + Fraction(u))))  # the clamp: DitherCode.v bcode
         expect(m == want, check_codes_match_reference, case, f"code {m}, reference {want} (x = {x}, u = {u})")
 
 
