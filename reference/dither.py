@@ -156,3 +156,62 @@ def dither_radius_grid(q, delta, scale, n, d, eta=0, rho=0, N=GRID_N):
     bias = sum(abs(bi) for bi in b) * (mpf(1) / (2 * N) + mpf(eta))
     proxy = sum(bi ** 2 for bi in b) / 12
     return bias + mpf(rho) + sqrt(proxy) * sqrt(2 * log(2 * mpf(n) / mpf(d)))
+
+
+# ---- b-bit codes (proofs/DitherCode.v) -------------------------------------------------------
+
+def code_range(signed, b):
+    """(lo, hi), exact ints: the b-bit code range, signed symmetric [-(2^(b-1) - 1), 2^(b-1) - 1]
+    (int8_dither b = 8, int4_dither b = 4) or unsigned [0, 2^b - 1] (kivi2_dither b = 2)
+    (DitherCode.v code_lo, code_hi; code_range_fits_b_bits: lo <= hi, hi - lo + 1 <= 2^b)."""
+    if int(b) != b or b < 1:
+        raise ValueError(f"b must be an integer >= 1 (got {b})")
+    return (1 - 2 ** (b - 1), 2 ** (b - 1) - 1) if signed else (0, 2 ** b - 1)
+
+
+def in_code_range(y, signed, b, eta=0, N=GRID_N):
+    """lo - (1/(2N) - eta) < y < hi + (1/(2N) - eta), exact (DitherCode.v in_code_range)."""
+    lo, hi = code_range(signed, b)
+    room = Fraction(1, 2 * N) - Fraction(eta)
+    return lo - room < Fraction(y) < hi + room
+
+
+def bcode_errors(y, signed, b, N=GRID_N, fp32_add=False):
+    """[(m_i - u_i) - y for i < N], exact: grid_errors with the code clamped into the b-bit range,
+    m_i = clamp(round_half_even(y + u_i)) (or of fl32(y + u_i)) (DitherCode.v bcode, grid_err).
+    Equal to grid_errors(y) when y is in the code range (bcode_eq_of_in_range); a step above it,
+    every error is <= -(1/2 + 1/(2N)) (bcode_err_mean_le_of_above_range)."""
+    lo, hi = code_range(signed, b)
+    y = Fraction(y)
+    out = []
+    for i in range(N):
+        z = y + grid_u(i, N)
+        m = min(hi, max(lo, _round_half_even(_fl32(z) if fp32_add else z)))
+        out.append(Fraction(m) - z)
+    return out
+
+
+def bcode_error_mean(y, signed, b, N=GRID_N, fp32_add=False):
+    """The exact mean of bcode_errors: |mean| <= 1/(2N) + eta for y in the code range
+    (DitherCode.v abs_bcode_err_mean_le)."""
+    return sum(bcode_errors(y, signed, b, N, fp32_add), Fraction(0)) / N
+
+
+@workdps(DPS)
+def bcode_error_mgf(y, a, signed, b, N=GRID_N, fp32_add=False):
+    """E exp(a (e - E e)) over the grid for the clamped b-bit code: <= exp(a^2 (1 - 1/N^2)/24)
+    for y in the code range (DitherCode.v bcode_err_mgf_le)."""
+    errs = bcode_errors(y, signed, b, N, fp32_add)
+    mu = sum(errs, Fraction(0)) / N
+    a = mpf(a)
+    return sum((exp(a * mpf((e - mu).numerator) / (e - mu).denominator) for e in errs), mpf(0)) / N
+
+
+ETA_SMALL = Fraction(8, 2 ** 24) + Fraction(1, 2 ** 150)  # DitherCode.v eta_small: 8 u32 + 2^-150
+
+
+def code_round32(z):
+    """round_half_even(fl32(z)), exact (DitherCode.v code_round32 with ties to even: the code's
+    torch.round of the fp32 y + u). Within a step of a code range inside [-7, 7] it is within
+    1/2 + ETA_SMALL of z (code_round32_close)."""
+    return _round_half_even(_fl32(Fraction(z)))

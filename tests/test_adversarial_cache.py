@@ -65,8 +65,8 @@ BAD = {"adv_writes_input": _writes_input, "adv_writes_buffer": _writes_buffer, "
 for _name, _fn in BAD.items():
     if _name not in scheme_names():  # registered once per process (the probe must pass: they misbehave only later)
         register_scheme(_name, _fn)
-SCHEMES = CODECS + ("kivi2",) + tuple(BAD)
-NO_EVICTION = ("kivi2", "int8_dither")  # blocks of 32 tokens / dither counters that follow contiguous tokens
+SCHEMES = CODECS + ("kivi2", "kivi2_dither") + tuple(BAD)
+NO_EVICTION = ("kivi2", "int8_dither", "int4_dither", "kivi2_dither")  # blocks of 32 tokens / dither counters that follow contiguous tokens
 
 
 class CacheMachine(RuleBasedStateMachine):

@@ -9,7 +9,7 @@ from fast.integrations.hf_meter import enable
 from fast.core.schemes import CODECS, SchemeError, get_scheme, register_scheme, unregister_scheme
 from tests.tiny_model import tiny_ids, tiny_llama
 
-SCHEMES = CODECS + ("kivi2",)
+SCHEMES = CODECS + ("kivi2", "kivi2_dither")
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +37,29 @@ def test_shadow_bound_holds_every_check(model, scheme):
         bound = stacked(cache, form)
         assert bool((true <= bound).all()), f"{scheme}/{form}: true TV {true.max()} above the bound"
     assert float(true.max()) > 0  # the check is not vacuous: the cache is really compressed
-    if scheme == "int8_dither":
+    if get_scheme(scheme).dither:  # int8_dither, int4_dither, kivi2_dither: the estimate is recorded
         assert bool((true <= stacked(cache, "dither_estimate")).all())
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4", "int8_dither", "int4_dither", "kivi2_dither"])
+def test_derived_witness_bound_holds_every_check(model, scheme):
+    """The zero-memory witness from the codec's step (derived=True: |k - k~| <= step/2 elementwise,
+    kivi2_dither's step max(scale, |zero| 2^-7)(1 + 2^-10) included) bounds the true TV at every check."""
+    assert get_scheme(scheme).derived_witness
+    cache = CertifiedCache(model.config, scheme, sinks=0, window=0, shadow=True, derived=True)
+    gen(model, tiny_ids(1, 70), cache, n=8)
+    assert all(layer.derived for layer in cache.layers)
+    true, bound = stacked(cache, "true_tv"), stacked(cache, "min")
+    assert bool((true <= bound).all()), f"{scheme}: true TV {float(true.max())} above the derived bound"
+    assert float(true.max()) > 0
+    for layer in cache.layers:  # the witness itself: rho_b >= ||(k - k~)_b|| per band (fp64), tight within 3x
+        rho, exact = layer.witness_view()
+        served, _ = layer.served()
+        r = layer.exact_k.double() - served.double()
+        norms = torch.stack([r[..., b].norm(dim=-1) for b in cache.bands], -1)  # [B, Hkv, N, NB]
+        q = ~exact
+        assert bool((norms[q] <= rho[q].double()).all()), scheme
+        assert float((norms[q] / rho[q].double()).max()) > 1 / 3, scheme
 
 
 def test_int8_cache_matches_exact_generation(model):

@@ -91,7 +91,7 @@ def bad(values, why):
 
 
 FLAGS = {  # flag: (good values, bad values with the reason)
-    "--scheme": (good(st.sampled_from(["int8", "int4", "fp8_e5m2", "fp8_e4m3", "int8_dither", "kivi2"])),
+    "--scheme": (good(st.sampled_from(["int8", "int4", "fp8_e5m2", "fp8_e4m3", "int8_dither", "kivi2", "int4_dither", "kivi2_dither"])),
                  bad(st.text(min_size=1, max_size=8).filter(lambda s: s not in cli_schemes()), "scheme")),
     "--gate": (st.one_of(good(st.just("none")), good(st.floats(0, 1).map(lambda t: f"certified:{t!r}")),
                          good(st.integers(0, 90).map(lambda k: f"risk:{k}"))),
@@ -172,10 +172,10 @@ def test_fuzz_run_arguments(stubbed, tmp_path, capsys, data):
         why = [f"{f}: {w}" for f, (_, w) in args.items() if w is not None]
         why += [w for w in (prompts[p], outs[o]) if w]
         scheme = args.get("--scheme", ("int8", None))[0]
-        dither = scheme == "int8_dither"
+        dither = scheme in ("int8_dither", "int4_dither", "kivi2_dither")
         if "--delta-req" in args and args["--delta-req"][1] == "dither underflow" and not dither:
             why.remove("--delta-req: dither underflow")          # a tiny budget is fine without the dither tier
-        if "--evict" in args and args["--evict"][1] is None and scheme in ("kivi2", "int8_dither"):
+        if "--evict" in args and args["--evict"][1] is None and scheme in ("kivi2", "int8_dither", "int4_dither", "kivi2_dither"):
             why.append("--evict with a block or dither scheme")
         if "--page" in args and ("--evict" not in args):
             why.append("--page without --evict")

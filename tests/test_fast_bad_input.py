@@ -238,3 +238,28 @@ def test_decode_attention_rejects_wrong_value_head_size():
         fast.decode_attention(q, k, v[..., :16], rho, 0.2, bands=BANDS)
     with pytest.raises(ValueError, match="v"):
         fast.decode_attention(q, k, torch.cat([v, v], -1), rho, 0.2, bands=BANDS)
+
+
+@pytest.mark.parametrize("bad", [NAN, INF])
+@pytest.mark.parametrize("scheme", ["int4_dither", "kivi2_dither"])
+def test_b_bit_dither_codecs_reject_non_finite(scheme, bad):
+    from fast.core.quant import kivi_dither_quantize
+    x = poisoned(torch.randn(1, 2, 32, 32), bad, (7,))
+    with pytest.raises(ValueError):
+        fast.quantize(x, scheme, seed=0) if scheme == "int4_dither" else kivi_dither_quantize(x, "k", seed=0)
+
+
+def test_kivi2_dither_rejects_bad_layout_and_range():
+    """kivi2_dither: keys need whole 32-token blocks, a known kind, fp16-sized groups, in-range counters."""
+    from fast.core.quant import kivi_dither_quantize
+    from fast.core.schemes import SchemeError, get_scheme
+    x = torch.randn(1, 2, 32, 32)
+    for args, kw, match in [((x[:, :, :31], "k"), {}, "blocks of 32"), ((x, "q"), {}, "kind"),
+                            ((x * 1e5, "v"), {}, "65504"), ((x, "k"), {"seed": 2 ** 64}, "seed"),
+                            ((x, "v"), {"token_start": -1}, "token_start"), ((torch.randn(1, 2, 4, 48), "v"), {}, "multiple of")]:
+        with pytest.raises(ValueError, match=match):
+            kivi_dither_quantize(*args, **{"seed": 0, **kw})
+    with pytest.raises(SchemeError, match="multiple of 4"):
+        get_scheme("kivi2_dither").encode_v(torch.randn(1, 2, 4, 30), 0, 0, 0)
+    with pytest.raises(ValueError, match="group_size"):
+        fast.quantize(torch.randn(1, 2, 4, 30), "int4_dither", group_size=4, seed=0)

@@ -94,19 +94,20 @@ def test_residual_offload_beats_a_full_copy(model):
     assert m_res["offload_bytes"] < 0.6 * m_full["fp16_bytes"] < m_full["offload_bytes"]
 
 
-def test_dither_tier_is_an_estimate_and_never_gates(model):
+@pytest.mark.parametrize("scheme", ["int8_dither", "int4_dither", "kivi2_dither"])
+def test_dither_tier_is_an_estimate_and_never_gates(model, scheme):
     """Issue 19 (A2): in decoding the dither tier is an estimate, not a certificate (the queries
     depend on the dither read before). Records and traces name it `dither_estimate`, the summary
     says so, and certified:TAU repairs exactly the slots whose DETERMINISTIC bound exceeded TAU:
     slots whose dither estimate was below TAU are repaired all the same."""
     from fast.tools import trace
     ids = tiny_ids(1, 64, seed=9)
-    free = CertifiedCache(model.config, "int8_dither", sinks=0, window=0, seed=3)
+    free = CertifiedCache(model.config, scheme, sinks=0, window=0, seed=3)
     gen(model, ids, free, n=4)
     assert all("dither_estimate" in r and "dither_min" not in r for r in free.records)
     det, est = stacked(free, "min"), stacked(free, "dither_estimate")
     tau = float(det[0].median())  # the first step (gen's tokens do not depend on the gate before it)
-    cache = CertifiedCache(model.config, "int8_dither", gate=f"certified:{tau}", sinks=0, window=0, seed=3)
+    cache = CertifiedCache(model.config, scheme, gate=f"certified:{tau}", sinks=0, window=0, seed=3)
     gen(model, ids, cache, n=4)
     first = [r for r in cache.records if r["step"] == 1]
     only_estimate_below = 0
@@ -122,12 +123,13 @@ def test_dither_tier_is_an_estimate_and_never_gates(model):
     assert "dither tier: an estimate, not a certificate" in text
 
 
+@pytest.mark.parametrize("scheme", ["int8_dither", "int4_dither", "kivi2_dither"])
 @pytest.mark.parametrize("offload", ["residual", "full"])
-def test_repaired_heads_take_their_certificate_as_dither_estimate(model, offload):
+def test_repaired_heads_take_their_certificate_as_dither_estimate(model, offload, scheme):
     """Issue 19: a repaired head no longer serves dithered keys (residual: k_hat + the int8 residual;
     full: the exact copy), so the dither radius says nothing about it: its dither_estimate is its
     deterministic certificate (before, the dither radius of the codes it no longer served)."""
-    cache = CertifiedCache(model.config, "int8_dither", gate="certified:0", sinks=0, window=0, offload=offload, seed=3)
+    cache = CertifiedCache(model.config, scheme, gate="certified:0", sinks=0, window=0, offload=offload, seed=3)
     gen(model, tiny_ids(1, 64, seed=10), cache, n=4)
     assert all(bool(r["repaired"].all()) for r in cache.records)  # TAU = 0: every head from the first read on
     for r in cache.records:

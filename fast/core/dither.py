@@ -1,4 +1,5 @@
-"""Probabilistic tier for the dithered int8 cache (math.md T6), batched twins of reference.dither.
+"""Probabilistic tier for the dithered caches (math.md T6), batched twins of reference.dither: int8_dither,
+int4_dither and kivi2_dither (b-bit codes never clamped, proofs/DitherCode.v: one radius serves all three).
 
 Caveat (spec A2): the radius is proved for queries and keys that do not depend on the dither
 (non-adaptive). In decoding they do (the tokens produced, and within a step the layers >= 1, read

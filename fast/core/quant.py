@@ -1,4 +1,4 @@
-"""KV codecs: int8, int8_dither, int4 (per-group absmax, fp16 scales) and fp8 raw casts.
+"""KV codecs: int8, int8_dither, int4, int4_dither (per-group absmax, fp16 scales) and fp8 raw casts.
 
 x: [B, Hkv, N, D] (keys or values of one layer). Every codec is a uniform or
 floating-point quantizer WITHOUT clipping, and QTensor.step() returns a per-element
@@ -13,7 +13,8 @@ and the key and value streams have their own counters; counters are range-checke
 token < 2^63 enter as two words each), never reduced modulo 2^32.
 u has 16 bits: u = (2 i + 1 - 2^16) / 2^17, symmetric about 0, so that m - u is exact in
 fp32 (|m| <= 127 needs 7 more bits: 24 in all). Treating u as U[-1/2, 1/2) is spec
-assumption A1.
+assumption A1. Dithered codes are never clamped: dither_codes refuses a scaled input outside the
+code range, inside which no clamp binds (proofs/DitherCode.v).
 """
 
 from dataclasses import dataclass, replace
@@ -23,10 +24,17 @@ import torch
 from fast.core import _checks
 from fast.core.certify import up32
 
-SCHEMES = ("int8", "int8_dither", "int4", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3_rtz", "fp8_e5m2_rtz")
-# Largest code magnitude used: |x / delta| <= QMAX (dither: QMAX + 1/2 = 127 stays in range).
-QMAX = {"int8": 127.0, "int8_dither": 126.5, "int4": 7.0}
-CODE_MAX = {"int8": 127.0, "int8_dither": 127.5, "int4": 7.0}  # bound on |dequantized| / delta
+SCHEMES = ("int8", "int8_dither", "int4", "int4_dither", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3_rtz", "fp8_e5m2_rtz")
+# Largest code magnitude used: |x / delta| <= QMAX. Dithered codes: |y| <= QMAX keeps y in the code
+# range [-LIM, LIM], where the clamp never binds on the grid (proofs/DitherCode.v bcode_eq_of_in_range:
+# |y| <= LIM suffices, so int4_dither keeps int4's scale; int8_dither keeps its older, smaller 126.5).
+QMAX = {"int8": 127.0, "int8_dither": 126.5, "int4": 7.0, "int4_dither": 7.0}
+CODE_MAX = {"int8": 127.0, "int8_dither": 127.5, "int4": 7.0, "int4_dither": 7.5}  # bound on |dequantized| / delta
+CODE_LIM = {"int8": 127, "int8_dither": 127, "int4": 7, "int4_dither": 7}  # codes in [-LIM, LIM]
+DITHER = ("int8_dither", "int4_dither")
+INT4 = ("int4", "int4_dither")  # two codes a byte (low nibble = even channel)
+# dither_codes' tolerance beyond the code range: below 1/(2N) - eta = 2^-17 - 2^-18 (DitherCode.v in_code_range)
+RANGE_SLACK = 2.0 ** -19
 FP8 = {"fp8_e4m3": (torch.float8_e4m3fn, 448.0, 2.0 ** -4, 2.0 ** -10),  # dtype, max, unit roundoff, half subnormal spacing
        "fp8_e5m2": (torch.float8_e5m2, 57344.0, 2.0 ** -3, 2.0 ** -17)}
 # Round-toward-zero casts as vLLM's CPU backend writes its fp8 KV cache (see _rtz_codes): dtype of the
@@ -161,7 +169,7 @@ class QTensor:
     @property
     def shape(self):
         B, Hkv, N, W = self.codes.shape
-        return (B, Hkv, N, 2 * W if self.scheme == "int4" else W)
+        return (B, Hkv, N, 2 * W if self.scheme in INT4 else W)
 
     @property
     def nbytes(self):
@@ -233,7 +241,7 @@ def quantize(x, scheme, *, group_size=32, seed=None, layer=0, token_start=0, per
 
     Integer codecs: one fp16 scale per group of `group_size` channels (D % group_size == 0).
     fp8: raw cast, with a per-token fp32 scale when per_token_scale (else |x| must fit the format).
-    int8_dither: dither counters (seed, stream, layer, batch row, KV head, token = token_start + n,
+    int8_dither / int4_dither: dither counters (seed, stream, layer, batch row, KV head, token = token_start + n,
     channel); seed=None draws a fresh 64-bit seed from the OS (recorded in the QTensor), a given
     seed reproduces the dither; stream 0 for keys, 1 for values. Counters out of range -> ValueError.
     fp8_e4m3_rtz / fp8_e5m2_rtz: vLLM's CPU fp8 KV cast, bit for bit (see _rtz_codes): one per-tensor
@@ -246,7 +254,7 @@ def quantize(x, scheme, *, group_size=32, seed=None, layer=0, token_start=0, per
     B, Hkv, N, D = x.shape
     x32 = x.to(torch.float32)
     if seed is None:
-        seed = draw_seed() if scheme == "int8_dither" else 0
+        seed = draw_seed() if scheme in DITHER else 0
     check_dither_counters(seed, layer, stream, B, Hkv, token_start, N, D)
     if scale is not None and scheme not in RTZ:
         raise ValueError(f"scale: only the round-toward-zero fp8 codecs {tuple(RTZ)} take a per-tensor scale")
@@ -257,22 +265,128 @@ def quantize(x, scheme, *, group_size=32, seed=None, layer=0, token_start=0, per
     if scheme in FP8:
         return replace(_quantize_fp8(x32, scheme, per_token_scale), seed=seed, layer=layer, token_start=token_start, stream=stream)
     _checks.positive_int("group_size", group_size)
-    if D % group_size or (scheme == "int4" and D % 2):
+    if D % group_size or (scheme in INT4 and D % 2):
         raise ValueError(f"group_size = {group_size} must divide D = {D} (and D even for int4)")
     g = x32.view(B, Hkv, N, D // group_size, group_size)
     scales = _fp16_scale_up(g.abs().amax(-1), QMAX[scheme])  # [B, Hkv, N, D/G]
     y = g / scales.to(torch.float32).unsqueeze(-1)
-    if scheme == "int8_dither":
+    lim = CODE_LIM[scheme]
+    if scheme in DITHER:
         u = dither_noise(seed, layer, Hkv, token_start, N, D, x.device, rows=B, stream=stream).view(B, Hkv, N, D // group_size, group_size)
-        y = y + u
-    lim = CODE_MAX[scheme] // 1
-    m = torch.clamp(torch.round(y), -lim, lim).view(B, Hkv, N, D)  # the clamp never binds: |y| <= QMAX (1 + u) (+ 1/2)
-    if scheme == "int4":
+        m = dither_codes(y, u, -lim, lim).view(B, Hkv, N, D)
+    else:
+        m = torch.clamp(torch.round(y), -lim, lim).view(B, Hkv, N, D)  # the clamp never binds: |y| <= QMAX (1 + u)
+    if scheme in INT4:
         nib = (m + 8).to(torch.uint8)  # 1..15
         codes = nib[..., 0::2] | (nib[..., 1::2] << 4)
     else:
         codes = m.to(torch.int8)
     return QTensor(codes, scales, scheme, group_size, seed, layer, token_start, stream)
+
+
+def dither_codes(y, u, lo, hi):
+    """m = round_half_even(fl32(y + u)) (fp32) for scaled inputs y in the code range [lo, hi], u the dither.
+
+    No clamp: for y within [lo, hi] (plus RANGE_SLACK) the clamp into [lo, hi] never binds at any
+    point of the dither grid (proofs/DitherCode.v bcode_eq_of_in_range), so the subtractive-dither
+    law T6g-T6j holds for the stored codes. A y outside raises ValueError: clamped, a coordinate a
+    step beyond the range errs by more than half a step at every grid point
+    (bcode_err_mean_le_of_above_range), which no dither number may silently absorb."""
+    if not (bool((y >= lo - RANGE_SLACK).all()) and bool((y <= hi + RANGE_SLACK).all())):
+        worst = float(torch.maximum(lo - y, y - hi).max())
+        raise ValueError(f"dither_codes: a scaled input lies {worst:.3g} outside the code range [{lo}, {hi}]: "
+                         "the dither law needs it inside (choose a larger scale)")
+    m = torch.round(y + u)
+    if not (bool((m >= lo).all()) and bool((m <= hi).all())):  # cannot happen for y in range (DitherCode.v)
+        raise ValueError(f"dither_codes: a code left [{lo}, {hi}]")
+    return m
+
+
+# ---- kivi2_dither: KIVI's 2-bit layout with subtractive dither (fast.core.schemes.KiviDither) ----
+
+KIVI_GROUP = 32
+KIVI_HI = 3  # unsigned 2-bit codes [0, 2^2 - 1] (DitherCode.v code_lo false 2, code_hi false 2)
+ZERO_REL = 2.0 ** -7  # step() >= |zero| 2^-7, so the zero point's fp32 rounding stays within QUANT_RHO steps
+
+
+def _kivi_groups(x, kind):
+    """x [B, Hkv, N, D] -> (grouped view, reduced dim): keys ("k") per channel over blocks of 32 tokens
+    [B, Hkv, N/32, 32, D], values ("v") per token over groups of min(32, D) channels [B, Hkv, N, D/g, g]."""
+    B, Hkv, N, D = x.shape
+    if kind == "k":
+        if N % KIVI_GROUP:
+            raise ValueError(f"kivi2_dither keys are quantized in blocks of {KIVI_GROUP} tokens, got {N}")
+        return x.reshape(B, Hkv, N // KIVI_GROUP, KIVI_GROUP, D), 3
+    if kind == "v":
+        g = min(KIVI_GROUP, D)
+        if D % g:
+            raise ValueError(f"kivi2_dither values: D = {D} is not a multiple of {g}")
+        return x.reshape(B, Hkv, N, D // g, g), 4
+    raise ValueError(f"kind: 'k' (keys) or 'v' (values), got {kind!r}")
+
+
+def _kivi_full(t, kind, shape):
+    """scale or zero [B, Hkv, N/32, D] (keys) / [B, Hkv, N, D/g] (values) -> fp32 [B, Hkv, N, D] per element."""
+    B, Hkv, N, D = shape
+    t = t.to(torch.float32)
+    if kind == "k":
+        return t[:, :, :, None, :].expand(B, Hkv, N // KIVI_GROUP, KIVI_GROUP, D).reshape(shape)
+    return t[..., None].expand(*t.shape, D // t.shape[-1]).reshape(shape)
+
+
+def _fp16_down(t64):
+    """fp16 <= t64 (fp64), the largest one; ValueError where none is finite."""
+    h = t64.to(torch.float16)
+    h = torch.where(h.to(torch.float64) > t64, torch.nextafter(h, torch.full_like(h, float("-inf"))), h)
+    if not bool(torch.isfinite(h).all()):
+        raise ValueError("x: |x| > 65504 does not fit the fp16 zero points of kivi2_dither")
+    return h
+
+
+def kivi_dither_quantize(x, kind, *, seed=None, layer=0, token_start=0):
+    """kivi2_dither codes of x [B, Hkv, N, D] (fp32/fp16/bf16, finite): (codes uint8 [B, Hkv, N, D] in
+    [0, 3], scale fp16, zero fp16, seed), scale/zero per group (_kivi_groups; keys kind "k", stream 0;
+    values "v", stream 1).
+
+    zero = the group's min rounded DOWN to fp16, scale = (max - zero)/3 rounded UP to fp16 (fp64 quotient
+    raised by 2^-50 first, >= 2^-24), so (x - zero)/scale lies in [0, 3] exactly and y = fl32(fl32(x - zero)
+    / scale) within 3 (2u + u^2) of it: inside the unsigned 2-bit code range, where no clamp binds on the
+    grid (proofs/DitherCode.v), so the codes m = round(fl32(y + u)) need none (dither_codes checks). KIVI's
+    own min/max scale, (max - min)/3: the dither costs no level."""
+    _checks.tensor("x", x, ndim=4, dtypes=(torch.float32, torch.float16, torch.bfloat16))
+    _checks.finite("x", x)
+    B, Hkv, N, D = x.shape
+    g, dim = _kivi_groups(x.to(torch.float32), kind)
+    seed = draw_seed() if seed is None else seed
+    stream = STREAMS[kind]
+    check_dither_counters(seed, layer, stream, B, Hkv, token_start, N, D)
+    zero = _fp16_down(g.amin(dim).to(torch.float64))
+    r = (g.amax(dim).to(torch.float64) - zero.to(torch.float64)) / KIVI_HI * (1 + 2.0 ** -50)
+    scale = _fp16_scale_up(r, 1.0)
+    x32 = x.to(torch.float32)
+    y = (x32 - _kivi_full(zero, kind, x.shape)) / _kivi_full(scale, kind, x.shape)
+    u = dither_noise(seed, layer, Hkv, token_start, N, D, x.device, rows=B, stream=stream)
+    m = dither_codes(y, u, 0, KIVI_HI)
+    return m.to(torch.uint8), scale, zero, seed
+
+
+def kivi_dither_dequantize(codes, scale, zero, kind, seed, layer, token_start):
+    """fp32 [B, Hkv, N, D]: x~ = fl32(fl32((m - u) scale) + zero) (m - u exact)."""
+    shape = tuple(codes.shape)
+    B, Hkv, N, D = shape
+    u = dither_noise(seed, layer, Hkv, token_start, N, D, codes.device, rows=B, stream=STREAMS[kind])
+    return (codes.to(torch.float32) - u) * _kivi_full(scale, kind, shape) + _kivi_full(zero, kind, shape)
+
+
+def kivi_dither_step(scale, zero, kind, shape):
+    """delta [B, Hkv, N, D] fp32 = max(scale, |zero| 2^-7) (1 + 2^-10) (exact): |x - x~| <= delta / 2, and the
+    dither tier's rho holds with QUANT_RHO (fast.core.dither) for this delta (spec A6):
+    (x~ - x) - scale e, e = (m - u) - y, is fl32(x - zero) and fl32(./scale) (<= 6.01 u scale),
+    fl32((m - u) scale) (<= 3.5 u scale, |m - u| < 3.5) and fl32(. + zero) (<= u (|zero| + 3.51 scale)):
+    <= u (13.1 scale + |zero|) <= 141.1 u max(scale, |zero| 2^-7) < QUANT_RHO = 192 u per step; and
+    scale (1/2 + 2^-22) + 141.1 u base < base (1 + 2^-10) / 2."""
+    base = torch.maximum(_kivi_full(scale, kind, shape), _kivi_full(zero, kind, shape).abs() * ZERO_REL)
+    return base * STEP_MARGIN
 
 
 def _quantize_fp8(x32, scheme, per_token_scale):
@@ -373,11 +487,11 @@ def dequantize(qt):
     if qt.scheme in FP8:
         out = qt.codes.to(torch.float32)
         return out if qt.scales is None else out * qt.scales
-    if qt.scheme == "int4":
+    if qt.scheme in INT4:
         m = torch.stack([(qt.codes & 15), (qt.codes >> 4)], dim=-1).view(B, Hkv, N, D).to(torch.float32) - 8
     else:
         m = qt.codes.to(torch.float32)
-    if qt.scheme == "int8_dither":
+    if qt.scheme in DITHER:
         m = m - dither_noise(qt.seed, qt.layer, Hkv, qt.token_start, N, D, qt.codes.device, rows=B, stream=qt.stream)  # exact (24 bits)
     ng = qt.scales.shape[-1]
     return (m.view(B, Hkv, N, ng, D // ng) * qt.scales.to(torch.float32).unsqueeze(-1)).view(B, Hkv, N, D)

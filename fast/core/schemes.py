@@ -8,7 +8,8 @@ bytes: .nbytes) that decodes back to x_hat. The certificate never trusts the sch
 cache measures k - k_hat at write time (band witness, math.md T4), so a registered function
 is a black box. Built-ins: the fast-path codecs (int8, int8_dither, int4, fp8_e4m3,
 fp8_e5m2, and vLLM's round-toward-zero fp8 casts fp8_e4m3_rtz / fp8_e5m2_rtz, scale 1) and KIVI-style 2-bit (keys per channel over blocks of 32 tokens, values per token
-in groups of 32 channels).
+in groups of 32 channels), plain (kivi2) or subtractively dithered (kivi2_dither). The dithered
+schemes (int8_dither, int4_dither, kivi2_dither) add the dither tier (math.md T6, an estimate in decoding).
 """
 
 import copy
@@ -16,8 +17,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-CODECS = ("int8", "int8_dither", "int4", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3_rtz", "fp8_e5m2_rtz")
-UNIFORM = ("int8", "int8_dither", "int4")  # |x - x_hat| <= step/2 elementwise: zero-memory witness
+CODECS = ("int8", "int8_dither", "int4", "int4_dither", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3_rtz", "fp8_e5m2_rtz")
+UNIFORM = ("int8", "int8_dither", "int4", "int4_dither")  # |x - x_hat| <= step/2 elementwise: zero-memory witness
+DITHER = ("int8_dither", "int4_dither", "kivi2_dither")  # the dither tier applies
+KIVI = ("kivi2", "kivi2_dither")
 KIVI_GROUP = 32
 
 
@@ -175,6 +178,50 @@ class KiviValues(Store):
         return None
 
 
+class KiviDither(Store):
+    """kivi2_dither: KIVI's layout with 2-bit subtractively dithered codes (fast.core.quant.kivi_dither_quantize):
+    keys (kind "k") per channel over blocks of 32 tokens, values ("v") per token in groups of 32 channels;
+    codes [B, Hkv, N, D/4] uint8 (4 a byte), scale/zero fp16 [B, Hkv, N/32, D] (keys) or [B, Hkv, N, D/32]."""
+
+    def __init__(self, kind, codes, scale, zero, seed, layer, token_start):
+        super().__init__(codes=codes, scale=scale, zero=zero)
+        self.kind, self.seed, self.layer, self.token_start = kind, seed, layer, token_start
+
+    @staticmethod
+    def encode(x, kind, layer, token_start, seed):
+        from fast.core.quant import kivi_dither_quantize
+        if x.shape[-1] % 4:
+            raise SchemeError(f"kivi2_dither packs 4 codes a byte: D = {x.shape[-1]} is not a multiple of 4")
+        try:
+            codes, scale, zero, seed = kivi_dither_quantize(x, kind, seed=seed, layer=layer, token_start=token_start)
+        except ValueError as e:
+            raise SchemeError(str(e)) from None
+        return KiviDither(kind, _pack2(codes), scale, zero, seed, layer, token_start)
+
+    def _codes(self):
+        return _unpack2(self.get("codes"))  # [B, Hkv, N, D]
+
+    def decode(self):
+        from fast.core.quant import kivi_dither_dequantize
+        return kivi_dither_dequantize(self._codes(), self.get("scale"), self.get("zero"), self.kind,
+                                      self.seed, self.layer, self.token_start)
+
+    def step(self):
+        from fast.core.quant import kivi_dither_step
+        B, Hkv, N, W = self.get("codes").shape
+        return kivi_dither_step(self.get("scale"), self.get("zero"), self.kind, (B, Hkv, N, 4 * W))
+
+    def cat(self, other):
+        n = self.f["codes"].n
+        if (other.kind, other.seed, other.layer, other.token_start) != (self.kind, self.seed, self.layer, self.token_start + n):
+            raise SchemeError("KiviDither.cat: kind, seed, layer or token counters do not line up")
+        return super().cat(other)
+
+    def take(self, index):
+        raise SchemeError("kivi2_dither: the dither counters follow contiguous tokens (and keys share a scale across "
+                          "blocks of 32 tokens): eviction needs another scheme")
+
+
 class CodecStored(Store):
     """A fast.core.quant QTensor (packed codes + scales), grown in place."""
 
@@ -198,8 +245,8 @@ class CodecStored(Store):
 
     def take(self, index):
         """Gather tokens per KV head (codes and scales carry the token axis at dim 2)."""
-        if self.template.scheme == "int8_dither":
-            raise SchemeError("int8_dither: the dither counters follow contiguous tokens; eviction needs another scheme")
+        if self.template.scheme in DITHER:
+            raise SchemeError(f"{self.template.scheme}: the dither counters follow contiguous tokens; eviction needs another scheme")
         return self._taken(index)
 
     def step(self):
@@ -240,11 +287,18 @@ def _codec_scheme(name):
                 qt = replace(qt, token_start=token_start)
             return CodecStored(qt)
         return encode
-    return Scheme(name, encoder(0), encoder(1), derived_witness=name in UNIFORM, dither=name == "int8_dither")
+    return Scheme(name, encoder(0), encoder(1), derived_witness=name in UNIFORM, dither=name in DITHER)
 
 
 def _kivi_scheme():
     return Scheme("kivi2", lambda x, *a: KiviKeys.encode(x), lambda x, *a: KiviValues.encode(x), block_k=KIVI_GROUP)
+
+
+def _kivi_dither_scheme():
+    """kivi2_dither: |x - x_hat| <= step/2 elementwise (zero-memory witness) and the dither tier."""
+    return Scheme("kivi2_dither", lambda x, L, t, seed: KiviDither.encode(x, "k", L, t, seed),
+                  lambda x, L, t, seed: KiviDither.encode(x, "v", L, t, seed),
+                  block_k=KIVI_GROUP, derived_witness=True, dither=True)
 
 
 def _owned_output(name, x, x_hat):
@@ -302,7 +356,7 @@ def register_scheme(name, fn, *, deterministic=True):
     """
     if not isinstance(name, str) or not name:
         raise SchemeError("scheme name must be a non-empty string")
-    if name in CODECS or name == "kivi2":
+    if name in CODECS or name in KIVI:
         raise SchemeError(f"scheme {name!r} is built in")
     if not callable(fn):
         raise SchemeError(f"scheme {name!r}: fn is not callable")
@@ -319,7 +373,7 @@ def unregister_scheme(name):
 
 
 def scheme_names():
-    return list(CODECS) + ["kivi2"] + sorted(_REGISTRY)
+    return list(CODECS) + list(KIVI) + sorted(_REGISTRY)
 
 
 def get_scheme(name):
@@ -329,6 +383,8 @@ def get_scheme(name):
         return _codec_scheme(name)
     if name == "kivi2":
         return _kivi_scheme()
+    if name == "kivi2_dither":
+        return _kivi_dither_scheme()
     if name in _REGISTRY:
         return _REGISTRY[name]
     raise SchemeError(f"unknown scheme {name!r}: choose one of {', '.join(scheme_names())}")

@@ -36,8 +36,8 @@ class CertifiedCache(Cache):
 
     scheme: a registered scheme name (fast.core.schemes); gate: none | certified:TAU | risk:K;
     sinks / window: exact first / newest tokens; shadow: keep the exact cache and measure true TV;
-    seed, delta_req: the dither tier (int8_dither; records it as dither_estimate: an estimate in decoding, never
-    gated, see fast.integrations.hf_meter; seed=None: a fresh 64-bit seed per cache, i.e. per
+    seed, delta_req: the dither tier (int8_dither, int4_dither, kivi2_dither; records it as
+    dither_estimate: an estimate in decoding, never gated, see fast.integrations.hf_meter; seed=None: a fresh 64-bit seed per cache, i.e. per
     request, drawn from the OS; each batch row and keys/values get their own counters); offload: "full" (exact copy) or "residual";
     certify=False serves the compressed cache without certificates (the meter-overhead baseline);
     derived: use the zero-memory witness from the scales when the scheme allows it (else 1 byte

@@ -336,7 +336,8 @@ class CertifiedLayer(CacheLayerMixin):
         return ve.masked_fill(self.exact_mask(), 0.0)
 
     def step_view(self):
-        """delta [B, Hkv, N, D]: the dither step of each served element (0 where exact): int8_dither only."""
+        """delta [B, Hkv, N, D]: the dither step of each served element (0 where exact): the dithered schemes
+        (int8_dither, int4_dither, kivi2_dither) only."""
         delta = torch.zeros(self.B, self.Hkv, self.n, self.D, device=self.device)
         if self.nq:
             delta[:, :, :self.nq] = self.kq.step()

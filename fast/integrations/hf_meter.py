@@ -14,9 +14,10 @@ plain sdpa. Which reads are certified:
   attention_rows with causal positions, one certificate per (row, query head), one record per
   (call, layer) in cache.row_records with "pos" [T] (the rows' positions) and [B, T, H] tensors.
 Per read, per (layer, query head): the deterministic certificate (all forms, math.md T2 + T4),
-for int8_dither the dither tier's number as `dither_estimate`, the gate, with value_bound=True the
-output bound out_err (T5, covering the cast to a bf16 / fp16 model's dtype), and in shadow mode the
-true TV (and true_out_err = ||o - out|| from the exact keys and values, out as the model gets it).
+for the dithered schemes (int8_dither, int4_dither, kivi2_dither) the dither tier's number as
+`dither_estimate`, the gate, with value_bound=True the output bound out_err (T5, covering the cast
+to a bf16 / fp16 model's dtype), and in shadow mode the true TV (and true_out_err = ||o - out||
+from the exact keys and values, out as the model gets it).
 
 The dither tier is an ESTIMATE here, never a certificate (spec A2): T6i-T6j are proved for a query
 and keys fixed before the dither is drawn. Within a step, the query of layer l >= 1 is computed from
