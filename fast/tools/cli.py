@@ -502,6 +502,8 @@ def error(e):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     from fast.integrations.model import ModelMissing
+    from fast.core import threads
+    threads.configure()  # torch threads = the cores this process may use, unless OMP_NUM_THREADS is set
     try:
         if argv[:1] == ["calibrate-page"]:
             from fast.tools.evict_cli import calibrate_page_main
