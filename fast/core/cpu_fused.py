@@ -95,6 +95,7 @@ import torch
 from fast.core import _checks
 from fast.core.certify import CERT_KEYS, CMAX32, EXP32_EPS, EXP_EPS, T_CUT, TINY, U32, U64, _up, forms_from_pmz, gamma
 from fast.core.quant import QTensor
+from fast.core.threads import read_threads
 
 SRC = Path(__file__).resolve().parent / "csrc" / "cpu_fused.cpp"
 FLAGS = ["-O3", "-g", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp", "-fopenmp-simd", "-fPIC", "-shared", "-std=c++17"]
@@ -263,7 +264,7 @@ def _run(q, qpos, segs, s, bands, ngk, ngv, certify, lut=None, scalar=False, out
               _band_margin(W), (D + 4) * U32 * 1.01, 0 if lut is None else lut.data_ptr())
     a.seg[0], a.seg[1] = segs[0]["c"], segs[1]["c"]
     a.out, a.stats, a.kmax, a.nanflag = out.data_ptr(), stats.data_ptr(), scratch[0].data_ptr(), scratch[1].data_ptr()
-    a.certify, a.threads, a.chunk = int(certify), torch.get_num_threads(), _chunk(segs[0]["c"].n + segs[1]["c"].n)
+    a.certify, a.threads, a.chunk = int(certify), read_threads(), _chunk(segs[0]["c"].n + segs[1]["c"].n)
     _lib(scalar).kvcert_fused_run(ctypes.byref(a))
     nan_k, nan_v = scratch[1].view(-1)[:2].tolist()
     if not math.isfinite(nan_k):

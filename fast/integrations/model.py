@@ -88,8 +88,53 @@ def load_smollm2(attn_implementation="sdpa"):
     return model, tok
 
 
+# model_type values of the Llama family that the meter and the cache serve: decoder self-attention,
+# rotate_half RoPE, grouped KV heads (Qwen2 adds q/k/v biases, Mistral a sliding window).
+FAMILY = ("llama", "mistral", "qwen2")
+
+
+class ModelFolderError(ValueError):
+    """--model DIR is not a local Llama-family model folder (the CLI prints this as one line)."""
+
+
+def local_config(path):
+    """The transformers config of a local model folder, read before any weight loads; ModelFolderError
+    unless the folder has a config.json of a FAMILY model and *.safetensors weights."""
+    from transformers import AutoConfig
+    d = Path(path)
+    try:
+        if not d.is_dir():
+            raise ModelFolderError("not a directory (give a local model folder with config.json and safetensors)")
+        if not (d / "config.json").is_file():
+            raise ModelFolderError("no config.json: not a Hugging Face model folder")
+        if not any(d.glob("*.safetensors")):
+            raise ModelFolderError("no *.safetensors weights in the folder")
+        config = AutoConfig.from_pretrained(d)
+    except ModelFolderError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError) as e:  # unreadable or malformed config.json
+        raise ModelFolderError(f"cannot read config.json ({type(e).__name__}: {e})") from None
+    if config.model_type not in FAMILY:
+        raise ModelFolderError(f"model_type {config.model_type!r} is not supported (Llama family: {', '.join(FAMILY)})")
+    return config
+
+
+def load_local(path):
+    """(model, tokenizer) of a local Llama-family folder (local_config's checks), float32, eval mode, on CPU."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    local_config(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="float32", attn_implementation="sdpa").eval()
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return model, tok
+
+
 def chat_ids(tok, text):
-    """Token ids of one user turn wrapped in the model's chat template, ready to generate the answer."""
+    """Token ids of one user turn wrapped in the model's chat template, ready to generate the answer;
+    a tokenizer without a chat template (a base model) encodes the text as it is."""
+    if hasattr(tok, "chat_template") and not tok.chat_template:
+        return list(tok(text)["input_ids"])
     msgs = [{"role": "user", "content": text}]
     ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
     if isinstance(ids, dict) or hasattr(ids, "keys"):

