@@ -506,3 +506,36 @@ def test_vllm_kvcert_bytes_fit_in_vllms_kv_budget(bounded):
     assert mem["budget"] == BUDGET and mem["kvcert_bytes"] > 0.45 * BUDGET, mem
     assert mem["vllm_cache_bytes"] + mem["kvcert_bytes"] <= BUDGET, mem
     assert mem["rss_now"] - mem["rss_before_kv"] <= BUDGET + BUDGET // 4, mem
+
+
+def _readme_vllm_snippet():
+    import os
+    import re
+    import fast
+    root = os.path.dirname(os.path.dirname(os.path.abspath(fast.__file__)))
+    text = open(os.path.join(root, "README.md")).read()
+    sec = text[text.index("### Serving with vLLM"):]
+    sec = sec[:sec.index("\n### ", 5)]
+    return re.findall(r"```python\n(.*?)```", sec, re.S)[0]
+
+
+def test_readme_vllm_snippet_is_self_contained():
+    """README's vLLM snippet compiles, names nothing it does not define or import (it used model_dir, prompts
+    and params, never defined), imports only names the module has, and guards the engine start for spawn.
+    (The snippet was run as written, SmolLM2 and all: it is the README's, another test runs README code.)"""
+    import ast
+    import builtins
+    import fast.integrations.vllm as kv
+    tree = ast.parse(_readme_vllm_snippet())
+    bound = set(dir(builtins))
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
+            if isinstance(node, ast.ImportFrom) and node.module == "fast.integrations.vllm":
+                assert all(hasattr(kv, a.name) for a in node.names), [a.name for a in node.names]
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            bound.add(node.id)
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    assert used <= bound, f"undefined in README's vLLM snippet: {sorted(used - bound)}"
+    guard = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
+    assert guard and any("make_llm" in ast.unparse(n) for n in guard), "make_llm outside the __main__ guard"

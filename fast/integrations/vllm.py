@@ -31,13 +31,19 @@ Configuration (environment, read in every process; workers inherit it):
   KVCERT_CERTIFY=0         the codec without certificates (the speed baseline)
   KVCERT_TRACE_DIR=DIR     full traces: one JSONL per worker rank
   KVCERT_BANDS=8           bands per head (math.md Bands; rotate_half pairs)
-Engine requirements (checked at start-up, one clear line): dtype float32, kv_cache_dtype "auto",
-head size a multiple of 2 * KVCERT_BANDS, the CPU backend, decoder self-attention.
+  KVCERT_RECORDS=0         per-read records a worker keeps (the oldest dropped first; make_llm: records=)
+  KVCERT_MAX_SUMMARIES=1024 summaries of finished requests kept until handed back (the oldest dropped first)
+Engine requirements (checked in vLLM's main process before any engine process starts: one line, exit
+status 1; make_llm: ValueError): dtype float32, kv_cache_dtype "auto", head size a multiple of
+2 * KVCERT_BANDS, the CPU backend, decoder self-attention. kvcert's side tensors are counted inside
+vLLM's KV-cache budget (_kv_budget).
 
-    from fast.integrations.vllm import make_llm, summaries
-    llm = make_llm(model_dir, codec="fp8_e4m3", gate="certified:0.2", enforce_eager=True)
-    outs = llm.generate(prompts, params)
-    per_request = summaries(llm)          # {request_id: {...}} via collective_rpc
+    from vllm import SamplingParams
+    from fast.integrations.vllm import collect, generate, make_llm, smollm2_dir
+    llm = make_llm(str(smollm2_dir()), codec="fp8_e4m3", gate="certified:0.2", enforce_eager=True,
+                   max_model_len=2048, kv_cache_memory_bytes=256 << 20)
+    outs = generate(llm, ["The capital of France is"], SamplingParams(max_tokens=16))  # each with .kvcert
+    records = collect(llm)                # per-read records of every rank, via collective_rpc
 
 Demo: python -m fast.integrations.vllm --help
 """
