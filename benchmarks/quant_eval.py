@@ -98,7 +98,9 @@ def run_input(model, tok, ex, args):
         for gate in args.gates:
             set_current(None)
             shadow = gate == "none"
-            cache = CertifiedCache(model.config, scheme_for(scheme, model.config), gate=gate, shadow=shadow, seed=ex["seed"])
+            spec, _, opt = gate.partition("/")  # "ladder:0.2/box": the gate with box_form=True
+            cache = CertifiedCache(model.config, scheme_for(scheme, model.config), gate=spec, shadow=shadow, seed=ex["seed"],
+                                   box_form=opt == "box")
             cache.fill_from(shared)
             if gate.startswith("risk"):
                 apply_risk_from_queries(cache, col)
@@ -107,6 +109,8 @@ def run_input(model, tok, ex, args):
             recs = [r for r in cache.records if r["step"] <= args.cert_steps]
             r = {"ok": score(tok.decode(out), ex["answers"]), "text": tok.decode(out),
                  "bytes_per_token": round(mem["device_bytes_per_token"], 2), "fp16_bytes_per_token": mem["fp16_bytes_per_token"],
+                 "bytes_per_token_at_fp16": round(mem["device_bytes_fp16_per_token"], 2),
+                 "heads_per_rung": cache.heads_per_rung(), "promotions": sum(x["fresh_repairs"] for x in cache.records),
                  "repairs": int(sum(int(layer.repaired.sum()) for layer in cache.layers)),
                  "repair_traffic_bytes": int(mem["repair_traffic_bytes"])}
             if recs:
@@ -149,6 +153,9 @@ def summarize(records, settings):
                 "bytes_per_token": round(sum(x["bytes_per_token"] for x in runs) / n, 2),
                 "fp16_bytes_per_token": runs[0]["fp16_bytes_per_token"],
                 "repairs_per_request": round(sum(x["repairs"] for x in runs) / n, 2),
+                "bytes_per_token_at_fp16": _mean([x.get("bytes_per_token_at_fp16") for x in runs]),
+                "heads_off_base_per_request": _mean([sum(x["heads_per_rung"][1:]) for x in runs if "heads_per_rung" in x]),
+                "heads_per_rung_per_request": _rung_means(runs),
                 "repair_traffic_per_request": round(sum(x["repair_traffic_bytes"] for x in runs) / n),
                 "cert_mean": _mean([x.get("cert_mean") for x in runs]),
                 "cert_informative": _mean([x.get("cert_informative") for x in runs]),
@@ -176,6 +183,12 @@ def summarize(records, settings):
     return cells, findings
 
 
+def _rung_means(runs):
+    """Mean count of (layer, KV head) slots per rung (0 = the scheme, last = exact) at the end of a request."""
+    hs = [x["heads_per_rung"] for x in runs if "heads_per_rung" in x]
+    return [round(sum(h[i] for h in hs) / len(hs), 2) for i in range(len(hs[0]))] if hs else None
+
+
 def _mean(xs):
     xs = [x for x in xs if x is not None]
     return round(sum(xs) / len(xs), 4) if xs else None
@@ -193,6 +206,10 @@ def tables(data):
         a, b = wilson(k, m)
         return f"{k / m:.2f} [{a:.2f}, {b:.2f}]"
 
+    def at16(c):
+        b = c.get("bytes_per_token_at_fp16")
+        return "-" if b is None else f"{b:.0f} ({b / c['fp16_bytes_per_token']:.2f}x)"
+
     def ci(x):
         return "-" if not x or x[0] is None else f"{x[0]:.2f} [{x[1][0]:.2f}, {x[1][1]:.2f}]"
     t = {"title": f"Quantized caches on SmolLM2-135M, {n} inputs of ~{st['tokens']} tokens ({', '.join(st['tasks'])}; "
@@ -202,13 +219,16 @@ def tables(data):
                   "and layer-summed (fp16 = "
                   f"{cells[next(iter(cells))]['fp16_bytes_per_token']:.0f})",
          "header": ["scheme", "gate", "accuracy", "harm rate", "p vs full (Holm)", "p gated vs raw", "bytes/token",
-                    "repairs/request", "mean certificate", "AUROC cert vs harm", "AUROC true TV vs harm", "violations/checks"],
+                    "repairs/request", "bytes/token at fp16 (x fp16)", "slots per rung (scheme .. exact)",
+                    "mean certificate", "AUROC cert vs harm", "AUROC true TV vs harm", "violations/checks"],
          "rows": []}
     for c in cells.values():
         t["rows"].append([c["scheme"], c["gate"], rate(c["correct"], c["n"]), rate(c["harmed"], c["n_answerable"]),
                           f"{c['mcnemar_vs_full']['p_holm']:.2g}",
                           "-" if c["gate"] == "none" else f"{c['mcnemar_vs_raw']['p']:.2g}",
-                          f"{c['bytes_per_token']:.0f}", f"{c['repairs_per_request']:.1f}",
+                          f"{c['bytes_per_token']:.0f}", f"{c['repairs_per_request']:.1f}", at16(c),
+                          "-" if c.get("heads_per_rung_per_request") is None else
+                          " / ".join(f"{x:g}" for x in c["heads_per_rung_per_request"]),
                           "-" if c["cert_mean"] is None else f"{c['cert_mean']:.3f}",
                           ci(c.get("auroc_cert_harm")), ci(c.get("auroc_true_harm")),
                           f"{c['violations']}/{c['checks']}" if c["gate"] == "none" else "-"])
@@ -240,7 +260,8 @@ def main(argv=None):
     ap.add_argument("--haystacks", default="synthetic,natural")
     ap.add_argument("--schemes", default="all", help="comma list, or all (every registered scheme); prerope4 / "
                     "prerope8: the pre-RoPE scheme (fast.core.prerope) at that key width")
-    ap.add_argument("--gates", default="none,certified:0.2,risk:9")
+    ap.add_argument("--gates", default="none,certified:0.2,risk:9", help="comma list of gates (none, certified:TAU, "
+                    "ladder:TAU, risk:K); a /box suffix certifies reads that would trip the gate with the box form too")
     ap.add_argument("--cert-steps", type=int, default=3)
     ap.add_argument("--seed0", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)

@@ -15,6 +15,11 @@ from fast.integrations.hf_cache import CertifiedCache
 from tests.tiny_model import tiny_ids, tiny_llama
 
 
+def TwinCache(config, scheme, **kw):
+    """The torch twin's cache (backend="torch"): the oracle the fused read is compared with."""
+    return CertifiedCache(config, scheme, backend="torch", **kw)
+
+
 def _run(cache_cls, attn, ids, steps, before_step=None, **kw):
     model = tiny_llama(attn=attn)
     cache = cache_cls(model.config, "int8", **kw)
@@ -35,7 +40,7 @@ def _run(cache_cls, attn, ids, steps, before_step=None, **kw):
 def test_decode_matches_meter(monkeypatch):
     monkeypatch.setattr(hf_fused, "FLUSH_BLOCK", 1)  # the meter's cache flushes every step: same contents
     ids = tiny_ids(B=2, N=60)
-    ref_logits, ref_cache = _run(CertifiedCache, "kvcert", ids, 6, window=8, sinks=4)
+    ref_logits, ref_cache = _run(TwinCache, "kvcert", ids, 6, window=8, sinks=4)
     fus_logits, fus_cache = _run(hf_fused.FusedCertifiedCache, hf_fused.NAME, ids, 6, window=8, sinks=4)
     assert fus_cache.fused_reads == 6 * 2  # every decode read of both layers went through the kernel
     # fp32 both; the attention outputs agree to ~1e-6 relative and go through 2 layers + lm head
@@ -87,9 +92,10 @@ def test_second_turn_rows():
         hf_meter.set_current(None)
         model(input_ids=ids[:, :5], past_key_values=cache, use_cache=True)
     assert cache.fused_reads == 2
-    rec = cache.records[-1]
-    assert rec["rows"] == 5 and tuple(rec["rows_min"].shape) == (1, 5, 4)
-    assert bool((rec["rows_min"] >= 0).all()) and bool((rec["rows_min"] <= 1).all())
+    assert len(cache.records) == 0 and len(cache.row_records) == 2  # one per layer, as the meter writes them
+    rec = cache.row_records[-1]
+    assert rec["pos"].tolist() == list(range(50, 55)) and tuple(rec["min"].shape) == (1, 5, 4)
+    assert bool((rec["min"] >= 0).all()) and bool((rec["min"] <= 1).all())
 
 
 def test_block_flush_keeps_the_window_exact():
@@ -146,7 +152,7 @@ def test_eviction_reads_each_overlay_token_once(monkeypatch):
         if t == 0:
             for l, layer in enumerate(cache.layers):
                 cache.keep_tokens(l, _evict_index(layer.B, layer.Hkv))
-    ref_logits, ref_cache = _run(CertifiedCache, "kvcert", ids, 4, before_step=evict, window=8, sinks=4)
+    ref_logits, ref_cache = _run(TwinCache, "kvcert", ids, 4, before_step=evict, window=8, sinks=4)
     fus_logits, fus_cache = _run(hf_fused.FusedCertifiedCache, hf_fused.NAME, ids, 4, before_step=evict, window=8, sinks=4)
     assert fus_cache.fused_reads == 4 * 2
     ex = fus_cache.layers[0]
@@ -206,7 +212,7 @@ def test_huge_key_error_mid_generation_gives_a_vacuous_record(monkeypatch):
             if layer.exact_k is not None:
                 layer.exact_k[:, 1, -1] *= 1e6
     steps = 14  # the token leaves the 8-token window (and is quantized, witness packed) at step 9
-    ref_logits, ref_cache = _run(CertifiedCache, "kvcert", ids, steps, before_step=poison, window=8, sinks=4, shadow=True)
+    ref_logits, ref_cache = _run(TwinCache, "kvcert", ids, steps, before_step=poison, window=8, sinks=4, shadow=True)
     fus_logits, fus_cache = _run(hf_fused.FusedCertifiedCache, hf_fused.NAME, ids, steps, before_step=poison, window=8, sinks=4)
     assert len(ref_cache.records) == len(fus_cache.records) == steps * 2
     assert int(ref_cache.layers[0].rho_codes[:, 1].max()) == 255  # the reserved top code was used

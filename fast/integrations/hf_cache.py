@@ -6,6 +6,10 @@ Storage of one layer, token axis 2, in storage order (= position order until `ke
     [ quantized: kq, vq (packed, nbytes), witness codes ][ tail: exact, newest tokens ]
     + exact overlay (sinks, and tail tokens moved by keep_tokens): c = 0 there
     + offload store (gate != none): exact fp copy, or the residual k - k_hat in int8 with its own witness
+    + ladder rungs (gate ladder:TAU): per promoted KV head, successive refinements: rung r stores
+      the codes of what rungs < r left, k - (k_hat + r_1 + ... + r_{r-1}), at its codec (e.g. kivi2
+      + int4 residual + int8 residual), from the exact copy, and the witness of the sum as served;
+      the top rung is exact
     + shadow copy (shadow mode only: measurement, never counted)
 
 Each token is quantized exactly once, when it leaves the tail (append-only). The tail keeps
@@ -29,11 +33,26 @@ METERS = ("kvcert", "kvcert_fused")  # the attention functions that certify read
 
 NB = 8  # RoPE bands per head (fast.rope_bands(D, NB, "rotate_half"))
 
+# gate ladder:TAU: the rungs above each built-in scheme, lowest first; exact keys are the rung above the last.
+# Each rung refines what the ones below left (a residual codec), so a same-width rung is not a repeat:
+# int4 + int4 residual is about int8's precision at int4's bytes. Measured on SmolLM2 (README "ladder").
+# A registered or pre-RoPE scheme goes straight to exact unless CertifiedCache(rungs=...) names rungs.
+LADDERS = {"kivi2": ("int4", "int4", "int8"), "int4": ("int4", "int8"), "int8": ("int4",),
+           "fp8_e4m3": ("int4", "int8"), "fp8_e5m2": ("int4", "int8"),
+           "fp8_e4m3_rtz": ("int4", "int8"), "fp8_e5m2_rtz": ("int4", "int8")}
+RUNG_CODECS = ("int8", "int4", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3_rtz", "fp8_e5m2_rtz")  # per token, no dither
+
 
 def _take(t, index):
     """t [B, Hkv, N, ...] gathered along the token axis with index [B, Hkv, K]."""
     idx = index.reshape(*index.shape, *([1] * (t.dim() - 3))).expand(*index.shape, *t.shape[3:])
     return torch.gather(t, 2, idx)
+
+
+def _up_bytes(st):
+    """Bytes of one promoted head's rungs: residual codes and scales, witness (and value witness)."""
+    return (sum(x.nbytes for x in st["k"] + st["v"]) + st["rho"].nbytes
+            + (0 if st["v_err"] is None else st["v_err"].nbytes))
 
 
 def value_error_norms(v, v_hat):
@@ -65,7 +84,9 @@ class CertifiedLayer(CacheLayerMixin):
         self.res_k = self.res_v = None      # residual offload tier (Stored) and its witness
         self.res_rho = None
         self.v_err = self.res_v_err = None  # [B, Hkv, nq] fp32 >= ||v - v~|| (value_bound=True; res_: after a residual repair)
-        self.repaired = None   # [Hkv] bool
+        self.repaired = None   # [Hkv] bool: served exact (the top rung)
+        self.rung = None       # [Hkv] long: 0 = the cache's scheme, r = cache.rungs[r - 1], len(rungs) + 1 = exact
+        self.up = {}           # KV head -> {"k", "v": [Stored of rungs 1..r], "rho": witness codes of the sum, "v_err"}
         self.risk = None       # [Hkv] risk score from the last prefill query (risk gate)
         self.steps = 0         # decode reads certified so far
         self.served_k = self.served_v = None
@@ -101,6 +122,7 @@ class CertifiedLayer(CacheLayerMixin):
         self.ex_on = torch.zeros(B, Hkv, 0, dtype=torch.bool, device=self.device)
         self.ex_k, self.ex_v = empty.clone(), value_states[:, :, :0].clone()
         self.repaired = torch.zeros(Hkv, dtype=torch.bool)
+        self.rung = torch.zeros(Hkv, dtype=torch.long)
         if self.cache.keep_exact:
             self.exact_k, self.exact_v = empty.clone(), value_states[:, :, :0].clone()
         self.keys = self.k_tail  # for code that inspects .keys
@@ -201,7 +223,36 @@ class CertifiedLayer(CacheLayerMixin):
             self._append("v_err", value_error_norms(v, vq.decode().to(self.dtype)))
         self.kq = kq if self.kq is None else self.kq.cat(kq)
         self.vq = vq if self.vq is None else self.vq.cat(vq)
+        if self.up:
+            v_hat = vq.decode().to(self.dtype)
+        for h, st in self.up.items():  # promoted heads: their new tokens refined through their rungs too
+            sl = slice(h, h + 1)
+            new = self._refine(h, self.nq, self.nq + m, k_hat[:, sl], v_hat[:, sl], int(self.rung[h]))
+            self.traffic += _up_bytes(new)
+            self.up[h] = {"k": [a.cat(b) for a, b in zip(st["k"], new["k"])],
+                          "v": [a.cat(b) for a, b in zip(st["v"], new["v"])],
+                          "rho": torch.cat([st["rho"], new["rho"]], dim=2),
+                          "v_err": None if new["v_err"] is None else torch.cat([st["v_err"], new["v_err"]], dim=2)}
         self.nq += m
+
+    def _refine(self, h, lo, hi, k_hat, v_hat, rungs, first=0):
+        """KV head h's quantized-part tokens [lo, hi) through rungs first+1 .. `rungs`: rung i stores the
+        codes of k - (what is served before it) at its codec, from the exact copy (the offload tier);
+        served = k_hat + r_1 + ... in the model's dtype, in this order (as served() adds them). Returns the
+        rung stores and the witness (T4) and, with value_bound, the value witness of the final sum."""
+        k, v = self.exact_k[:, h:h + 1, lo:hi], self.exact_v[:, h:h + 1, lo:hi]  # [B, 1, n, D]
+        ks, vs = [], []
+        for i in range(first, rungs):
+            scheme = self.cache.rung_schemes[i]
+            rk = scheme.encode_k((k.float() - k_hat.float()).contiguous(), self.layer_idx, lo, self.cache.seed)
+            rv = scheme.encode_v((v.float() - v_hat.float()).contiguous(), self.layer_idx, lo, self.cache.seed)
+            k_hat = k_hat + rk.decode().to(self.dtype)
+            v_hat = v_hat + rv.decode().to(self.dtype)
+            ks.append(rk)
+            vs.append(rv)
+        rho = pack_witness(witness(k.float(), k_hat.float(), self.cache.bands))
+        v_err = value_error_norms(v, v_hat) if self.cache.value_bound else None
+        return {"k": ks, "v": vs, "rho": rho, "v_err": v_err}
 
     # ---- reading ----
     def _decode_into(self, stored, out):
@@ -235,6 +286,10 @@ class CertifiedLayer(CacheLayerMixin):
             if rep and self.cache.offload == "residual":
                 k[:, rep, :nq] += self.res_k.decode()[:, rep].to(self.dtype)
                 v[:, rep, :nq] += self.res_v.decode()[:, rep].to(self.dtype)
+            for h, st in self.up.items():  # promoted heads: the scheme's codes plus their rungs' refinements
+                for rk, rv in zip(st["k"], st["v"]):
+                    k[:, h:h + 1, :nq] += rk.decode().to(self.dtype)
+                    v[:, h:h + 1, :nq] += rv.decode().to(self.dtype)
         k[:, :, nq:] = self.k_tail
         v[:, :, nq:] = self.v_tail
         if self.ex_idx.shape[2]:
@@ -281,6 +336,8 @@ class CertifiedLayer(CacheLayerMixin):
                 rho[:, rep, :self.nq] = self.res_rho[:, rep]
             else:
                 rho[:, rep, :self.nq] = unpack_witness(self.res_rho[:, rep])
+        for h, st in self.up.items():  # promoted heads: the witness of their refined keys
+            rho[:, h:h + 1, :self.nq] = st["rho"] if rho.dtype == torch.uint8 else unpack_witness(st["rho"])
         return rho, self.exact_mask()
 
     def value_err_view(self):
@@ -294,6 +351,8 @@ class CertifiedLayer(CacheLayerMixin):
             rep = self.repaired.nonzero().flatten().tolist()
             if rep and self.cache.offload == "residual":
                 ve[:, rep, :self.nq] = self.res_v_err[:, rep]
+            for h, st in self.up.items():
+                ve[:, h:h + 1, :self.nq] = st["v_err"]
         return ve.masked_fill(self.exact_mask(), 0.0)
 
     def step_view(self):
@@ -312,12 +371,39 @@ class CertifiedLayer(CacheLayerMixin):
         return (self.exact_k[:, h, :self.nq].nbytes + self.exact_v[:, h, :self.nq].nbytes)
 
     def repair(self, heads):
-        """Serve KV heads `heads` from the offload tier from now on."""
+        """Serve KV heads `heads` from the offload tier (exact) from now on: the top rung."""
         for h in heads:
             if not self.repaired[h]:
                 self.repaired[h] = True
+                self.rung[h] = len(self.cache.rungs) + 1
+                self.up.pop(h, None)  # a rung below exact is no longer read: freed
                 self.traffic += self.head_bytes(h)
         self.served_k, self.served_v = self.served(scratch=True)
+
+    def promote(self, heads):
+        """The gate's repair of KV heads `heads`: ladder:TAU moves each one rung up (the next rung's
+        refinement of its tokens from the exact copy, the witness measured again), the top rung and
+        certified:TAU serve exact keys."""
+        top = [h for h in heads if self.cache.gate.kind != "ladder" or int(self.rung[h]) >= len(self.cache.rungs)]
+        for h in heads:
+            if h not in top and not self.repaired[h]:
+                r = int(self.rung[h])
+                k, v = self.served()  # what head h serves now: the scheme's codes + its rungs so far
+                sl = slice(h, h + 1)
+                new = self._refine(h, 0, self.nq, k[:, sl, :self.nq], v[:, sl, :self.nq], r + 1, first=r)
+                st = self.up.get(h, {"k": [], "v": []})
+                self.up[h] = {"k": st["k"] + new["k"], "v": st["v"] + new["v"], "rho": new["rho"], "v_err": new["v_err"]}
+                self.rung[h] = r + 1
+                self.traffic += sum(x.nbytes for x in new["k"] + new["v"]) + new["rho"].nbytes
+        self.repair(top)  # also refreshes served_k / served_v
+
+    def fused_ok(self):
+        """Whether reads of this layer go through the fused C++ kernel (hf_fused.FusedLayer); here never."""
+        return False
+
+    def off_base(self):
+        """[Hkv] bool: KV heads not served from the cache's own scheme (a higher rung or exact)."""
+        return self.rung > 0
 
     # ---- eviction hook ----
     def keep_tokens(self, index):
@@ -350,6 +436,10 @@ class CertifiedLayer(CacheLayerMixin):
                 self._set("res_v_err", _take(self.res_v_err, index))
         if self.v_err is not None:
             self._set("v_err", _take(self.v_err, index))
+        for h, st in self.up.items():
+            ih = index[:, h:h + 1]
+            self.up[h] = {"k": [x.take(ih) for x in st["k"]], "v": [x.take(ih) for x in st["v"]], "rho": _take(st["rho"], ih),
+                          "v_err": None if st["v_err"] is None else _take(st["v_err"], ih)}
         if self.exact_k is not None:
             self._set("exact_k", _take(self.exact_k, index))
             self._set("exact_v", _take(self.exact_v, index))
@@ -379,13 +469,23 @@ class CertifiedLayer(CacheLayerMixin):
         self.ex_on = on | has
 
     # ---- accounting ----
-    def device_bytes(self):
+    def device_bytes(self, exact_itemsize=None):
+        """Bytes held for serving: codes, scales, witnesses, rungs, exact tail / overlay / repaired heads.
+        exact_itemsize=2 counts the exact values at 2 bytes each (what a bf16 / fp16 model holds), so
+        rows of models of different dtypes compare; None: as stored."""
+        def ex(t):
+            return 0 if t is None else (t.numel() * exact_itemsize if exact_itemsize else t.nbytes)
         n = 0
         for s in (self.kq, self.vq):
             n += s.nbytes if s is not None else 0
-        for t in (self.rho_codes, self.v_err, self.k_tail, self.v_tail, self.ex_k, self.ex_v):
+        for t in (self.rho_codes, self.v_err):
             n += t.nbytes if t is not None else 0
-        n += sum(self.head_bytes(h) for h in range(self.Hkv) if self.repaired[h])
+        n += sum(ex(t) for t in (self.k_tail, self.v_tail, self.ex_k, self.ex_v))
+        n += sum(_up_bytes(st) for st in self.up.values())
+        for h in range(self.Hkv):
+            if self.repaired[h]:
+                n += self.head_bytes(h) if self.cache.offload == "residual" else \
+                    ex(self.exact_k[:, h, :self.nq]) + ex(self.exact_v[:, h, :self.nq])
         return n
 
     def offload_bytes(self):
@@ -406,11 +506,19 @@ class CertifiedCache(Cache):
     request, drawn from the OS; each batch row and keys/values get their own counters); offload: "full" (exact copy) or "residual";
     certify=False serves the compressed cache without certificates (the meter-overhead baseline);
     derived: use the zero-memory witness from the scales when the scheme allows it (else 1 byte
-    per band and token, tighter and cheaper to read).
+    per band and token, tighter and cheaper to read);
+    rungs: gate ladder:TAU only, the schemes above `scheme`, lowest first (default LADDERS[scheme]; per
+    token, no dither: RUNG_CODECS); exact keys are the top rung;
+    box_form: decode reads whose certificate would trip the gate (every decode read without a
+    threshold gate) are certified again with the box form too (spec T9, fast.core.box; torch path);
+    backend: "auto" (default) reads through the fused C++ kernel (fast.integrations.hf_fused) wherever
+    it applies (FusedLayer.fused_ok: the read falls back to the torch twin elsewhere, certified the
+    same way), "torch" always through the twin (the readable reference of the same computation).
     """
 
     def __init__(self, config, scheme="int8", *, gate="none", sinks=4, window=32, shadow=False,
-                 seed=None, delta_req=1e-3, offload="full", derived=False, nbands=NB, certify=True, value_bound=False):
+                 seed=None, delta_req=1e-3, offload="full", derived=False, nbands=NB, certify=True, value_bound=False,
+                 rungs=None, box_form=False, backend="auto"):
         self.config = config   # the model's config: its attention implementation must be the meter (check_meter)
         self.scheme = get_scheme(scheme)
         self.gate = parse_gate(gate)
@@ -427,6 +535,20 @@ class CertifiedCache(Cache):
         self.seed = draw_seed() if seed is None else check_counter("seed", seed, SEED_COUNT)
         self.delta_req, self.offload, self.derived = float(delta_req), offload, bool(derived)
         self.value_bound = bool(value_bound)  # store ||v - v~|| per token (4 bytes a KV head): the output bound (T5)
+        if rungs is not None and self.gate.kind != "ladder":
+            raise ValueError(f"rungs= applies to gate ladder:TAU, not {self.gate}")
+        self.rungs = tuple(LADDERS.get(self.scheme.name, ()) if rungs is None else rungs)
+        if self.gate.kind == "ladder":
+            if offload != "full":
+                raise ValueError("gate ladder:TAU re-encodes promoted heads from the exact copy: offload must be 'full'")
+            bad = [r for r in self.rungs if r not in RUNG_CODECS]
+            if bad:
+                raise ValueError(f"rungs {bad}: a rung is one of {', '.join(RUNG_CODECS)} (per token, no dither)")
+        self.rung_schemes = [get_scheme(r) for r in self.rungs]
+        self.box_form = bool(box_form)
+        if backend not in ("auto", "torch"):
+            raise ValueError(f"backend must be 'auto' (the fused C++ read where it applies) or 'torch', got {backend!r}")
+        self.backend = backend
         self.keep_exact = self.shadow or (self.gate.kind != "none" and offload == "full")
         self.num_layers = config.num_hidden_layers
         self.num_heads = config.num_attention_heads
@@ -443,7 +565,13 @@ class CertifiedCache(Cache):
         self.row_records = []  # one dict per (multi-row read of a non-empty cache, layer): second turns, chunked prefill
         self.risk_done = False
         self.on_layer = None   # optional callback(phase, layer_idx) after each attention call (progress bars)
-        layers = [CertifiedLayer(self, i) for i in range(self.num_layers)]
+        if backend == "auto":
+            from fast.integrations.hf_fused import FusedLayer
+            layers = [FusedLayer(self, i) for i in range(self.num_layers)]
+        else:
+            layers = [CertifiedLayer(self, i) for i in range(self.num_layers)]
+        self._pending = []     # fused reads of this step awaiting the batched certificate epilogue (hf_fused)
+        self.fused_reads = 0
         super().__init__(layers=layers)
 
     def workspace(self, B, Hkv, N, D, dtype, device):
@@ -507,10 +635,16 @@ class CertifiedCache(Cache):
         dev = sum(layer.device_bytes() for layer in self.layers if layer.is_initialized)
         off = sum(layer.offload_bytes() for layer in self.layers if layer.is_initialized)
         traffic = sum(layer.traffic for layer in self.layers if layer.is_initialized)
+        dev16 = sum(layer.device_bytes(exact_itemsize=2) for layer in self.layers if layer.is_initialized)
         fp16 = sum(2 * 2 * layer.B * layer.Hkv * layer.n * layer.D for layer in self.layers if layer.is_initialized)
         tokens = max(max((layer.n for layer in self.layers if layer.is_initialized), default=0), 1)
         B = self.layers[0].B if self.layers[0].is_initialized else 1
-        return {"device_bytes": dev, "offload_bytes": off, "repair_traffic_bytes": traffic,
+        return {"device_bytes": dev, "device_bytes_fp16": dev16, "offload_bytes": off, "repair_traffic_bytes": traffic,
                 "fp16_bytes": fp16, "tokens": tokens, "batch": B,
-                "device_bytes_per_token": dev / (tokens * B), "fp16_bytes_per_token": fp16 / (tokens * B),
-                "offload_bytes_per_token": off / (tokens * B)}
+                "device_bytes_per_token": dev / (tokens * B), "device_bytes_fp16_per_token": dev16 / (tokens * B),
+                "fp16_bytes_per_token": fp16 / (tokens * B), "offload_bytes_per_token": off / (tokens * B)}
+
+    def heads_per_rung(self):
+        """[count of (layer, KV head) slots at rung r] for r = 0 (the scheme) .. len(rungs) + 1 (exact)."""
+        rungs = [int(x) for layer in self.layers if layer.is_initialized for x in layer.rung]
+        return [rungs.count(r) for r in range(len(self.rungs) + 2)]

@@ -1,9 +1,14 @@
-"""CertifiedCache reads through the fused CPU kernel (fast.core.cpu_fused): no fp32 copy of the
-history per step, the certificate epilogue of all layers batched once per step.
+"""CertifiedCache's fused CPU read (fast.core.cpu_fused): no fp32 copy of the history per step,
+the certificate epilogue of all layers batched once per step. The default of every CertifiedCache
+(backend="auto" builds FusedLayer layers; the meter, fast.integrations.hf_meter.kvcert_attention,
+sends a layer's reads here whenever FusedLayer.fused_ok):
 
-    cache = FusedCertifiedCache(model.config, "int8")        # a CertifiedCache
-    enable(model)                                             # attn_implementation "kvcert_fused"
+    fast.enable_meter(model)                                  # attn_implementation "kvcert"
+    cache = fast.CertifiedCache(model.config, "int8")         # reads through the kernel
     model.generate(ids, past_key_values=cache)
+
+FusedCertifiedCache is the same class with value_bound=True refused (kept for older code), and
+"kvcert_fused" another name of the meter.
 
 What changes against CertifiedCache + the "kvcert" meter (fast.integrations.hf_meter):
 - update() does not rebuild the served fp32 [B, Hkv, N, D] tensors (CertifiedLayer.served): the
@@ -69,19 +74,26 @@ class FusedLayer(CertifiedLayer):
     def _flush(self, everything=False):
         """Quantize window leavers in blocks of FLUSH_BLOCK tokens, not one per step: the tail keeps
         between `window` and `window + FLUSH_BLOCK` exact tokens (never fewer than the meter's)."""
-        if everything or self.k_tail.shape[2] >= self.cache.window + FLUSH_BLOCK:
+        if everything or not self.fused_ok() or self.k_tail.shape[2] >= self.cache.window + FLUSH_BLOCK:
             super()._flush(everything)
 
     def fused_ok(self):
-        """int8, no gate (so no repaired heads: only gates repair), no shadow, fp32 on CPU, kernel built.
-        Fixed for the layer's life: computed once (it is asked twice per layer and step)."""
+        """int8, no gate (so no repaired heads: only gates repair), no shadow, no value bound, certified or
+        certify=False, fp32 on CPU, kernel built. Fixed for the layer's life: computed once (it is asked
+        twice per layer and step)."""
         ok = getattr(self, "_fused_ok", None)
         if ok is None:
+            if not self.is_initialized:
+                return False
             c = self.cache
             ok = self._fused_ok = (c.scheme.name == "int8" and c.gate.kind == "none" and not c.shadow
+                                   and not c.value_bound and not c.box_form
                                    and self.dtype == torch.float32 and self.device.type == "cpu"
                                    and cpu_fused.available())
         return ok
+
+    def fused_read(self, query, scale):
+        return fused_read(self, query, scale)
 
     def served(self, scratch=False):
         if scratch and self.fused_ok():  # the kernel reads the parts: no [B, Hkv, N, D] fp32 copy
@@ -139,17 +151,16 @@ class FusedLayer(CertifiedLayer):
 
 
 class FusedCertifiedCache(CertifiedCache):
-    """CertifiedCache whose reads go through fast.core.cpu_fused (same arguments, except value_bound=True:
-    ValueError, the fused read reports no output bound)."""
+    """CertifiedCache (backend="auto": its reads go through fast.core.cpu_fused where the kernel
+    applies), with value_bound=True refused: the fused read reports no output bound."""
 
     def __init__(self, config, scheme="int8", **kwargs):
         if kwargs.get("value_bound"):
             raise ValueError("FusedCertifiedCache: value_bound=True is not supported (the fused read computes "
                              "no output bound out_err); use CertifiedCache(..., value_bound=True)")
+        if kwargs.get("backend", "auto") != "auto":
+            raise ValueError("FusedCertifiedCache: backend is 'auto'; use CertifiedCache(..., backend='torch')")
         super().__init__(config, scheme, **kwargs)
-        self.layers = [FusedLayer(self, i) for i in range(self.num_layers)]
-        self._pending = []  # per step: (layer, T, q64, stats, kmax, N) awaiting the batched epilogue
-        self.fused_reads = 0
 
 
 def fused_read(layer, query, scale):
@@ -199,12 +210,11 @@ def flush_certificates(cache):
         cert = cpu_fused._certificate(torch.cat([it[1] for it in items]), NB, N, D)
         if cert is None:  # a row needs the twin's fp64 terms: each layer's certificate from the twin
             for layer, _, _, q in items:
-                _record(layer, *_last(_twin_cert(layer, q, N)), shape[1])
+                _record(layer, _twin_cert(layer, q, N), N)
             continue
-        last, rows_min = _last(cert)  # [layers * B, H]: each layer's record takes its B rows (views)
-        for i, (layer, _, _, _) in enumerate(items):
+        for i, (layer, _, _, _) in enumerate(items):  # [layers * B, T, H]: each layer's record takes its B rows
             sl = slice(i * B, (i + 1) * B)
-            _record(layer, {k: v[sl] for k, v in last.items()}, rows_min[sl], shape[1])
+            _record(layer, {k: cert[k][sl] for k in ("max_c",) + FORMS}, N)
 
 
 def _scale(cache):
@@ -224,37 +234,27 @@ def _twin_cert(layer, q, N):
     return with_other_logits(c, logit_rounding(q.abs().amax(1), max_abs(k), s))
 
 
-def _record(layer, last, rows_min, T):
-    """One record as the meter writes it: last = pre_min, max_c and the forms [B, H] of the last row;
-    rows_min [B, T, H] (kept for multi-row reads)."""
-    layer.steps += 1
-    rec = {"step": layer.steps, "layer": layer.layer_idx, "rows": T, "repaired": layer.repaired.clone(), "fresh_repairs": 0}
-    rec.update(last)
-    if T > 1:
-        rec["rows_min"] = rows_min
-    layer.cache.records.append(rec)
+def _record(layer, cert, N):
+    """One record as the meter writes it (hf_meter.decode_step / rows_step), from a certificate dict of
+    [B, T, H] tensors: a decode read (T = 1) in cache.records with [B, H] tensors, a multi-row read
+    (a second turn, chunked prefill) in cache.row_records with its rows' positions."""
+    cache = layer.cache
+    T = cert["min"].shape[1]
+    rec = {"layer": layer.layer_idx, "repaired": layer.repaired.clone(), "rung": layer.rung.clone(), "fresh_repairs": 0}
+    if T == 1:
+        layer.steps += 1
+        rec.update({"step": layer.steps, "pre_min": cert["min"][:, 0], "max_c": cert["max_c"][:, 0].float()})
+        rec.update({f: cert[f][:, 0].float() for f in FORMS})
+        cache.records.append(rec)
+        return
+    t0 = layer.steps
+    layer.steps += T  # each row is one read, as in the meter
+    rec.update({"call": len(cache.row_records), "pos": torch.arange(N - T, N), "steps": (t0 + 1, t0 + T),
+                "pre_min": cert["min"], "max_c": cert["max_c"].float()})
+    rec.update({f: cert[f].float() for f in FORMS})
+    cache.row_records.append(rec)
 
 
-def _last(cert):
-    """(last, rows_min): the _record arguments of a certificate dict [B, T, H] (one layer, or a step's group)."""
-    last = {"pre_min": cert["min"][:, -1], "max_c": cert["max_c"][:, -1].float()}
-    last.update({f: cert[f][:, -1].float() for f in FORMS})
-    return last, cert["min"]
-
-
-def fused_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """AttentionInterface function: the fused read where it applies, else the kvcert meter."""
-    layer = hf_meter.current()
-    if (isinstance(layer, FusedLayer) and key is layer.served_k and layer.layer_idx == getattr(module, "layer_idx", None)
-            and layer.nq + layer.k_tail.shape[2] > query.shape[2] and layer.fused_ok()):
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        layer.cache.scale = scale
-        out = fused_read(layer, query, scale)
-        if layer.cache.on_layer is not None:
-            layer.cache.on_layer("decode" if query.shape[2] == 1 else "rows", layer.layer_idx)
-        return out, None
-    return hf_meter.kvcert_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-
-
-AttentionInterface.register(NAME, fused_attention)
+# another name of the meter (older code enables "kvcert_fused"): the meter itself sends fused layers here
+AttentionInterface.register(NAME, hf_meter.kvcert_attention)
 AttentionMaskInterface.register(NAME, sdpa_mask)

@@ -69,12 +69,14 @@ def _valid_row(mask, n):
     return row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2
 
 
-def _attend(q, k, v, rho, scale, bands, valid, exact, v_err=None, q_pos=None):
+def _attend(q, k, v, rho, scale, bands, valid, exact, v_err=None, q_pos=None, box_form=False):
     """decode_attention (q [B, H, D]) or, with q_pos [B, T], attention_rows (q [B, T, H, D]),
     looping over KV heads only when eviction left per-head padding (valid [B, Hkv, N])."""
     def one(qh, kh, vh, rh, vh_valid, eh, ve):
         if q_pos is None:
-            return decode_attention(qh, kh, vh, rh, scale, bands=bands, valid=vh_valid, exact=eh, v_err=ve)
+            backend = "torch" if box_form else "auto"
+            return decode_attention(qh, kh, vh, rh, scale, bands=bands, valid=vh_valid, exact=eh, v_err=ve,
+                                    backend=backend, box_form=box_form)
         return attention_rows(qh, kh, vh, rh, scale, bands=bands, q_pos=q_pos, valid=vh_valid, exact=eh, v_err=ve)
     if bool((valid == valid[:, :1]).all()):
         return one(q, k, v, rho, valid[:, 0], exact, v_err)
@@ -100,9 +102,9 @@ def served_probs(q, k, scale, valid):
     return torch.softmax(x, dim=-1).reshape(B, H, -1)
 
 
-def _certify(layer, q, k, v, scale, valid, q_pos=None):
+def _certify(layer, q, k, v, scale, valid, q_pos=None, box_form=False):
     rho, exact = layer.witness_codes()
-    return _attend(q, k, v, rho, scale, layer.cache.bands, valid, exact, layer.value_err_view(), q_pos)
+    return _attend(q, k, v, rho, scale, layer.cache.bands, valid, exact, layer.value_err_view(), q_pos, box_form)
 
 
 def exact_output(p, v, Hkv):
@@ -135,6 +137,34 @@ def _plain(q, k, v, scale, valid):
     return out, None
 
 
+def _gated(layer, q, key, value, scale, q_pos=None):
+    """Certify one read and apply the gate: while some KV head's worst certificate over the read's
+    rows and batch exceeds TAU, promote those heads (certified:TAU: to exact; ladder:TAU: one rung up,
+    each rung certified on its own) and certify the read again, so the read served is the one the
+    returned certificate covers. With cache.box_form a decode read that would trip the gate (every
+    decode read without a threshold gate) is certified with the box form too (spec T9).
+    Returns out, cert, pre (the first certificate's min), the number of promotions, key, value."""
+    cache, gate = layer.cache, layer.cache.gate
+
+    def certify(key, value):
+        out, cert = _certify(layer, q, key.float(), value.float(), scale, layer.valid, q_pos)
+        if cache.box_form and q_pos is None and (not gate.thresholded or bool((cert["min"] > gate.tau).any())):
+            out, cert = _certify(layer, q, key.float(), value.float(), scale, layer.valid, box_form=True)
+        return out, cert
+
+    def over(cert):
+        worst = cert["min"] if q_pos is None else cert["min"].amax(1)  # [B, H] (rows: worst row)
+        return ((_slot(worst, layer.Hkv) > gate.tau) & ~layer.repaired).nonzero().flatten().tolist()
+    out, cert = certify(key, value)
+    pre, fresh = cert["min"].clone(), 0
+    while gate.thresholded and (heads := over(cert)):  # at most len(rungs) + 1 rounds: each one promotes
+        layer.promote(heads)
+        fresh += len(heads)
+        key, value = layer.served_k, layer.served_v
+        out, cert = certify(key, value)
+    return out, cert, pre, fresh, key, value
+
+
 def decode_step(layer, query, key, value, scale, mask=None):
     cache = layer.cache
     row = _valid_row(mask, layer.n) if mask is not None and mask.shape[-1] == layer.n and not cache.evicted else None
@@ -148,21 +178,14 @@ def decode_step(layer, query, key, value, scale, mask=None):
             raise ValueError("certify=False needs the same valid tokens in every KV head")
         out, _ = _plain(q, key, value, scale, valid)
         return out[:, None].to(query.dtype), None
-    out, cert = _certify(layer, q, key.float(), value.float(), scale, layer.valid)
+    out, cert, pre, fresh, key, value = _gated(layer, q, key, value, scale)
     layer.steps += 1
     t = layer.steps
-    pre = cert["min"].clone()
-    fresh = []
-    if cache.gate.kind == "certified":
-        over = (_slot(pre, Hkv) > cache.gate.tau) & ~layer.repaired
-        fresh = over.nonzero().flatten().tolist()
-        if fresh:  # serve this read (and every later one) of those KV heads from the offload tier
-            layer.repair(fresh)
-            key, value = layer.served_k, layer.served_v
-            out, cert = _certify(layer, q, key.float(), value.float(), scale, layer.valid)
     rec = {"step": t, "layer": layer.layer_idx, "pre_min": pre, "repaired": layer.repaired.clone(),
-           "fresh_repairs": len(fresh), "max_c": cert["max_c"].float()}
+           "rung": layer.rung.clone(), "fresh_repairs": fresh, "max_c": cert["max_c"].float()}
     rec.update({f: cert[f].float() for f in FORMS})
+    if "box" in cert:  # box_form: this read was certified with the box form too (in min already)
+        rec["box"] = cert["box"].float()
     served = out.to(query.dtype)  # what the model gets (bf16 / fp16 models: the cast is served)
     if "out_err" in cert:
         rec["out_err"] = served_out_err(cert["out_err"], out, served)
@@ -173,7 +196,7 @@ def decode_step(layer, query, key, value, scale, mask=None):
         # fp64 p~ as computed, with the fp32 logit rounding of the served attention (fast.core.dither.dither_forms);
         # an estimate: this query depends on the dither read before (A2), and the gate above never reads it
         est = dither_forms(q, p_tilde, layer.step_view(), max_abs(key), scale, key.shape[2], d)["min"]
-        rec["dither_estimate"] = _repaired_take_cert(est, rec["min"], layer.repaired)
+        rec["dither_estimate"] = _repaired_take_cert(est, rec["min"], layer.off_base())
     if cache.shadow:
         p = served_probs(q, layer.exact_k, scale, layer.valid)
         rec["true_tv"] = (0.5 * (p - p_tilde).abs().sum(-1)).float()
@@ -222,21 +245,12 @@ def rows_step(layer, query, key, value, scale, mask=None):
         x = torch.matmul(q.transpose(1, 2).reshape(B, Hkv, H // Hkv, T, D), key.float().transpose(-1, -2)[:, :, None]) * scale
         out = torch.matmul(torch.softmax(x.masked_fill(~m, float("-inf")), -1), value.float()[:, :, None])
         return out.reshape(B, H, T, D).transpose(1, 2).to(query.dtype), None
-    out, cert = _certify(layer, q, key.float(), value.float(), scale, layer.valid, q_pos)
+    out, cert, pre, fresh, key, value = _gated(layer, q, key, value, scale, q_pos)
     t0 = layer.steps
     layer.steps += T  # each row is one read (the dither budget counts reads)
-    pre = cert["min"].clone()
-    fresh = []
-    if cache.gate.kind == "certified":
-        over = (_slot(pre.amax(1), Hkv) > cache.gate.tau) & ~layer.repaired
-        fresh = over.nonzero().flatten().tolist()
-        if fresh:  # serve these reads (and every later one) of those KV heads from the offload tier
-            layer.repair(fresh)
-            key, value = layer.served_k, layer.served_v
-            out, cert = _certify(layer, q, key.float(), value.float(), scale, layer.valid, q_pos)
     rec = {"call": len(cache.row_records), "layer": layer.layer_idx, "pos": q_pos[0].clone(),
            "steps": (t0 + 1, t0 + T), "pre_min": pre, "repaired": layer.repaired.clone(),
-           "fresh_repairs": len(fresh), "max_c": cert["max_c"].float()}
+           "rung": layer.rung.clone(), "fresh_repairs": fresh, "max_c": cert["max_c"].float()}
     rec.update({f: cert[f].float() for f in FORMS})
     served_out = out.to(query.dtype)  # what the model gets (bf16 / fp16 models: the cast is served)
     if "out_err" in cert:
@@ -252,7 +266,7 @@ def rows_step(layer, query, key, value, scale, mask=None):
         # the smallest local budget of the T reads (t0 + T) for every row: each row spends at most its own
         d = budget_local(cache.delta_req, cache.num_layers, cache.num_heads, t0 + T)
         est = unflat(dither_forms(qf, p_tilde, layer.step_view(), max_abs(key), scale, N, d)["min"])
-        rec["dither_estimate"] = _repaired_take_cert(est, rec["min"], layer.repaired)
+        rec["dither_estimate"] = _repaired_take_cert(est, rec["min"], layer.off_base())
     if cache.shadow:
         p = row_probs(qf, layer.exact_k, scale, m)
         rec["true_tv"] = unflat((0.5 * (p - p_tilde).abs().sum(-1)).float())
@@ -284,7 +298,11 @@ def kvcert_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     hook = layer.cache.on_layer
-    if query.shape[2] > 1 and layer.n == query.shape[2]:
+    if layer.fused_ok() and layer.n > query.shape[2]:  # the fused C++ read (hf_fused.FusedLayer), certified the same way
+        layer.cache.scale = scale
+        out = layer.fused_read(query, scale), None
+        phase = "decode" if query.shape[2] == 1 else "rows"
+    elif query.shape[2] > 1 and layer.n == query.shape[2]:
         # the first prefill of an empty cache reads the fresh exact keys: no quantized key, no certificate
         out = prefill_step(layer, module, query, key, value, attention_mask, scale, dropout=dropout, **kwargs)
         phase = "prefill"

@@ -112,9 +112,9 @@ class Config:
             self.gate = parse_gate(gate)
         except ValueError as e:
             raise ValueError(f"kvcert: {name('KVCERT_GATE')}={gate!r}: {e}") from None
-        if self.gate.kind == "risk":
-            raise ValueError(f"kvcert: {name('KVCERT_GATE')}={gate!r}: risk:K is not supported in vLLM (use none or "
-                             "certified:TAU)")
+        if self.gate.kind in ("risk", "ladder"):
+            raise ValueError(f"kvcert: {name('KVCERT_GATE')}={gate!r}: {self.gate.kind} is not supported in vLLM (use "
+                             "none or certified:TAU)")
         self.shadow = flag("KVCERT_SHADOW", "0")
         self.certify = flag("KVCERT_CERTIFY", "1")
         self.trace_dir = env.get("KVCERT_TRACE_DIR") or None

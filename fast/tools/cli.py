@@ -57,7 +57,7 @@ def new_cache(model, args, config=None):
     seed = {} if getattr(args, "seed", None) is None else {"seed": args.seed}
     return CertifiedCache(config or model.config, args.scheme, gate=args.gate, sinks=args.sinks, window=args.window,
                           shadow=args.shadow, delta_req=args.delta_req, offload=args.offload,
-                          derived=args.witness == "derived", **seed)
+                          derived=args.witness == "derived", box_form=getattr(args, "box", False), **seed)
 
 
 def prefill_exact(model, ids, progress=True, desc=""):
@@ -370,14 +370,15 @@ DEMO_HARM = "kivi2"
 
 
 def demo_runs(args):
-    """(label, args) of the four compressed runs of the demo."""
-    runs = [(DEMO_HARM, "none", "full"), (DEMO_HARM, f"certified:{args.tau}", "full"),
-            (DEMO_HARM, f"certified:{args.tau}", "residual"), ("int8_dither", "none", "full")]
+    """(label, args) of the five compressed runs of the demo."""
+    runs = [(DEMO_HARM, "none", "full", False), (DEMO_HARM, f"certified:{args.tau}", "full", False),
+            (DEMO_HARM, f"certified:{args.tau}", "residual", False), (DEMO_HARM, f"ladder:{args.tau}", "full", True),
+            ("int8_dither", "none", "full", False)]
     out = []
-    for scheme, gate, offload in runs:
+    for scheme, gate, offload, box in runs:
         a = argparse.Namespace(**vars(args))
-        a.scheme, a.gate, a.offload = scheme, gate, offload
-        out.append((gate if gate == "none" else f"{gate}/{offload}", a))
+        a.scheme, a.gate, a.offload, a.box = scheme, gate, offload, box
+        out.append((gate if gate == "none" else f"{gate}/{offload}" + ("+box" if box else ""), a))
     return out
 
 
@@ -409,19 +410,21 @@ def cmd_demo(args):
             T.save(tr, tmp / name)
     print()
     print(f"{'scheme':<14}{'gate/offload':<24}{'correct':<9}{'coverage':>9}{'worst':>8}{'repairs':>8}"
-          f"{'dev B/tok':>10}{'off B/tok':>10}  answer")
+          f"{'dev B/tok':>10}{'at fp16':>9}{'off B/tok':>10}  answer")
     for scheme, gate, answer, s in rows:
         ok = "yes" if str(key) in answer else "NO"
         if s is None:
             fp16 = 2 * 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * 64
-            print(f"{scheme:<14}{gate:<24}{ok:<9}{'-':>9}{'-':>8}{'-':>8}{fp16:>10}{0:>10}  {answer!r}")
+            print(f"{scheme:<14}{gate:<24}{ok:<9}{'-':>9}{'-':>8}{'-':>8}{fp16:>10}{fp16:>9}{0:>10}  {answer!r}")
         else:
             print(f"{scheme:<14}{gate:<24}{ok:<9}{s['coverage']:>9.1%}{s['worst_bound']:>8.3f}{s['repairs']:>8}"
-                  f"{s['device_bytes_per_token']:>10.0f}{s.get('offload_bytes_per_token', 0):>10.0f}  {answer!r}")
+                  f"{s['device_bytes_per_token']:>10.0f}{s.get('device_bytes_fp16_per_token', 0):>9.0f}"
+                  f"{s.get('offload_bytes_per_token', 0):>10.0f}  {answer!r}")
     print()
     for scheme, gate, _, s in rows[1:]:
         print(T.format_summary(s))
     print("(bytes per token over all layers; the model runs in fp32 on CPU, so exact copies cost 4 bytes a value;\n"
+          " 'at fp16': the same with exact values at 2 bytes, as a bf16 / fp16 model holds them;\n"
           f" uncompressed row: an fp16 cache. Traces and plots under {args.out}/)")
     return 0
 
@@ -442,10 +445,12 @@ def parser():
         p.add_argument("--witness", choices=("stored", "derived"), default="stored",
                        help="derived: zero-memory witness from the scales (uniform codecs); stored: 1 byte per band")
         p.add_argument("--shadow", action="store_true", help="also keep the exact cache and record the true TV")
+        p.add_argument("--box", action="store_true", help="certify the decode reads whose forms exceed the gate's TAU "
+                       "with the box form too (spec T9; every decode read without a threshold gate)")
 
     r = sub.add_parser("run", help="generate and certify")
     r.add_argument("--scheme", default="int8")
-    r.add_argument("--gate", default="none", help="none | certified:TAU | risk:K")
+    r.add_argument("--gate", default="none", help="none | certified:TAU | ladder:TAU | risk:K")
     r.add_argument("--prompt-file", required=True)
     r.add_argument("--out", default=DEFAULT_OUT)
     common(r)

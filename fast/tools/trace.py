@@ -133,7 +133,7 @@ def summary(tr, cover=COVER):
         if "dither_estimate" in a:
             out.update(shadow_stats(a["true_tv"], a["dither_estimate"], "dither_estimate"))
     mem = m.get("memory") or {}
-    out.update({k: mem[k] for k in ("device_bytes_per_token", "fp16_bytes_per_token", "offload_bytes_per_token",
+    out.update({k: mem[k] for k in ("device_bytes_per_token", "device_bytes_fp16_per_token", "fp16_bytes_per_token", "offload_bytes_per_token",
                                     "device_bytes", "offload_bytes", "repair_traffic_bytes") if k in mem})
     ev = eviction_summary(tr, cover)
     if ev:
