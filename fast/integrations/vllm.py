@@ -31,13 +31,19 @@ Configuration (environment, read in every process; workers inherit it):
   KVCERT_CERTIFY=0         the codec without certificates (the speed baseline)
   KVCERT_TRACE_DIR=DIR     full traces: one JSONL per worker rank
   KVCERT_BANDS=8           bands per head (math.md Bands; rotate_half pairs)
-Engine requirements (checked at start-up, one clear line): dtype float32, kv_cache_dtype "auto",
-head size a multiple of 2 * KVCERT_BANDS, the CPU backend, decoder self-attention.
+  KVCERT_RECORDS=0         per-read records a worker keeps (the oldest dropped first; make_llm: records=)
+  KVCERT_MAX_SUMMARIES=1024 summaries of finished requests kept until handed back (the oldest dropped first)
+Engine requirements (checked in vLLM's main process before any engine process starts: one line, exit
+status 1; make_llm: ValueError): dtype float32, kv_cache_dtype "auto", head size a multiple of
+2 * KVCERT_BANDS, the CPU backend, decoder self-attention. kvcert's side tensors are counted inside
+vLLM's KV-cache budget (_kv_budget).
 
-    from fast.integrations.vllm import make_llm, summaries
-    llm = make_llm(model_dir, codec="fp8_e4m3", gate="certified:0.2", enforce_eager=True)
-    outs = llm.generate(prompts, params)
-    per_request = summaries(llm)          # {request_id: {...}} via collective_rpc
+    from vllm import SamplingParams
+    from fast.integrations.vllm import collect, generate, make_llm, smollm2_dir
+    llm = make_llm(str(smollm2_dir()), codec="fp8_e4m3", gate="certified:0.2", enforce_eager=True,
+                   max_model_len=2048, kv_cache_memory_bytes=256 << 20)
+    outs = generate(llm, ["The capital of France is"], SamplingParams(max_tokens=16))  # each with .kvcert
+    records = collect(llm)                # per-read records of every rank, via collective_rpc
 
 Demo: python -m fast.integrations.vllm --help
 """
@@ -47,7 +53,7 @@ import math
 import os
 import re
 import sys
-from collections import defaultdict
+from collections import OrderedDict, deque
 
 import torch
 
@@ -65,25 +71,58 @@ CODECS = vllm_fp8.CODECS + ("none",)
 EXTENSION = "fast.integrations.vllm.KVCertWorker"
 
 
-class Config:
-    """The plugin's settings, parsed once per process from the environment (ValueError: one line)."""
+# every KVCERT_* variable the project reads (a misspelt name would otherwise be ignored without a word)
+KNOWN_ENV = ("KVCERT_VLLM", "KVCERT_CODEC", "KVCERT_GATE", "KVCERT_SHADOW", "KVCERT_CERTIFY", "KVCERT_TRACE_DIR",
+             "KVCERT_BANDS", "KVCERT_RECORDS", "KVCERT_MAX_SUMMARIES",
+             "KVCERT_BUILD_DIR", "KVCERT_CACHE", "KVCERT_SANITIZE", "KVCERT_SCALAR", "KVCERT_TRITON_CHILD")
 
-    def __init__(self, env=None):
+
+class Config:
+    """The plugin's settings, parsed once per process from the environment (ValueError: one line).
+    With KVCERT_VLLM unset or 0 nothing else is read: a disabled plugin never stands in vLLM's way.
+    names: how the caller spelt each variable in the error (make_llm: its keyword arguments)."""
+
+    def __init__(self, env=None, names=None):
         env = os.environ if env is None else env
-        self.enabled = env.get(ENV, "0") == "1"
+        name = lambda var: (names or {}).get(var, var)
+
+        def flag(var, default):
+            v = env.get(var, default)
+            if v not in ("0", "1"):
+                raise ValueError(f"kvcert: {name(var)}={v!r}: expected 0 or 1")
+            return v == "1"
+
+        def count(var, default, least=0):
+            v = env.get(var, default)
+            if not (v.isascii() and v.isdigit()) or int(v) < least:
+                raise ValueError(f"kvcert: {name(var)}={v!r}: expected an integer >= {least}")
+            return int(v)
+
+        self.enabled = flag(ENV, "0")
+        if not self.enabled:
+            return
+        unknown = sorted(k for k in env if k.startswith("KVCERT_") and k not in KNOWN_ENV)
+        if unknown:
+            raise ValueError(f"kvcert: unknown variable {unknown[0]} (known: {', '.join(KNOWN_ENV[:9])})")
         self.codec = env.get("KVCERT_CODEC", "fp8_e4m3")
         if self.codec not in CODECS:
-            raise ValueError(f"kvcert: KVCERT_CODEC={self.codec!r}: expected one of {CODECS}")
-        self.gate = parse_gate(env.get("KVCERT_GATE", "none"))
+            raise ValueError(f"kvcert: {name('KVCERT_CODEC')}={self.codec!r}: expected one of {', '.join(CODECS)}")
+        gate = env.get("KVCERT_GATE", "none")
+        try:
+            self.gate = parse_gate(gate)
+        except ValueError as e:
+            raise ValueError(f"kvcert: {name('KVCERT_GATE')}={gate!r}: {e}") from None
         if self.gate.kind in ("risk", "ladder"):
-            raise ValueError(f"kvcert: KVCERT_GATE {self.gate.kind}: is not supported in vLLM (use none or certified:TAU)")
-        self.shadow = env.get("KVCERT_SHADOW", "0") == "1"
-        self.certify = env.get("KVCERT_CERTIFY", "1") == "1"
+            raise ValueError(f"kvcert: {name('KVCERT_GATE')}={gate!r}: {self.gate.kind} is not supported in vLLM (use "
+                             "none or certified:TAU)")
+        self.shadow = flag("KVCERT_SHADOW", "0")
+        self.certify = flag("KVCERT_CERTIFY", "1")
         self.trace_dir = env.get("KVCERT_TRACE_DIR") or None
-        nb = env.get("KVCERT_BANDS", "8")
-        if not nb.isdigit() or int(nb) < 1:
-            raise ValueError(f"kvcert: KVCERT_BANDS={nb!r}: expected a positive integer")
-        self.bands = int(nb)
+        self.bands = count("KVCERT_BANDS", "8", least=1)
+        # per-read records a worker keeps (the oldest dropped first, counted); 0: none (serving)
+        self.records = count("KVCERT_RECORDS", "0")
+        # summaries of finished requests not yet handed back (generate()) a worker keeps, the oldest dropped first
+        self.max_summaries = count("KVCERT_MAX_SUMMARIES", "1024", least=1)
         if (self.gate.kind == "certified" or self.shadow) and not self.certify:
             raise ValueError("kvcert: the gate and shadow mode need certificates (KVCERT_CERTIFY=1)")
 
@@ -91,12 +130,20 @@ class Config:
     def exact_store(self):
         return self.gate.kind == "certified" or self.shadow
 
+    def side_bytes_per_slot(self, head_size):
+        """kvcert's bytes per (cache slot, KV head): the witness (NB fp32) and the exact store (K and V fp32)."""
+        if not self.certify:
+            return 0
+        return 4 * self.bands + (2 * 4 * head_size if self.exact_store else 0)
+
 
 def check_engine(cfg, *, dtype, kv_cache_dtype, head_size, attn_type="decoder"):
-    """Start-up checks shared by make_llm (main process) and the backend impl (workers)."""
+    """Start-up checks shared by make_llm, the engine configuration (check_vllm_config, main process, before
+    any engine process starts) and the backend impl (workers)."""
     if str(dtype) not in ("torch.float32", "float32"):
-        raise ValueError(f"kvcert: model dtype {dtype} is not supported (use dtype='float32': the CPU backend's "
-                         "bf16/fp16 layouts are not read back)")
+        raise ValueError(f"kvcert: model dtype {str(dtype).replace('torch.', '')} is not supported: use dtype='float32' "
+                         "(vllm serve: --dtype float32; vLLM's default 'auto' picks bfloat16 on CPU, whose cache layouts "
+                         "the plugin does not read back)")
     if kv_cache_dtype != "auto":
         raise ValueError(f"kvcert: kv_cache_dtype={kv_cache_dtype!r} is not supported: use kv_cache_dtype='auto' and "
                          "KVCERT_CODEC=fp8_e4m3|fp8_e5m2 (the plugin applies vLLM's fp8 cast itself)")
@@ -106,26 +153,106 @@ def check_engine(cfg, *, dtype, kv_cache_dtype, head_size, attn_type="decoder"):
         raise ValueError(f"kvcert: attention type {attn_type} is not supported (decoder self-attention only)")
 
 
+def check_vllm_config(cfg, vc):
+    """check_engine on a vllm.config.VllmConfig (EngineArgs.create_engine_config's result)."""
+    mc = vc.model_config
+    check_engine(cfg, dtype=mc.dtype, kv_cache_dtype=vc.cache_config.cache_dtype, head_size=mc.get_head_size())
+    backend = getattr(getattr(vc, "attention_config", None), "backend", None)
+    if backend is not None and getattr(backend, "name", str(backend)) != "CPU_ATTN":
+        raise ValueError(f"kvcert: attention backend {getattr(backend, 'name', backend)} is not supported "
+                         "(the plugin wraps CPU_ATTN)")
+
+
+class StartupError(SystemExit):
+    """A refused configuration outside make_llm (KVCERT_* environment, vllm serve, vllm.LLM): the process
+    stops with this one line on stderr and exit status 1, before any engine process starts (a ValueError
+    raised inside vLLM's start-up would come back under vLLM's tracebacks, from every process)."""
+
+
+def _refuse(err):
+    if _MAKE_LLM:  # make_llm's callers get a ValueError they can catch
+        raise ValueError(str(err)) from None
+    raise StartupError(str(err)) from None
+
+
+_MAKE_LLM = False
+
+
 # --------------------------------------------------------------------------------------------
 # per-process state: the model runner (request ids of the batch) and the certificate records
 
 
+def _new_summary():
+    return {"rows": 0, "reads": 0, "max_bound": 0.0, "max_pre_gate": 0.0, "sum_bound": 0.0, "repairs": 0,
+            "repaired_heads": [], "violations": 0, "max_true_tv": 0.0}
+
+
 class _State:
+    """A process's state. Bounded for the life of a server: per-read records only up to KVCERT_RECORDS (the
+    oldest dropped first); one summary per request (aggregated as it runs), handed back and dropped by
+    generate() (kvcert_summaries), else kept after the request finishes up to KVCERT_MAX_SUMMARIES (the oldest
+    dropped first); the gate's per-request state dropped when the request finishes (retire). Drops are counted."""
+
     def __init__(self):
         self.runner = None
-        self.reset()
-
-    def reset(self):
-        self.records = []  # one dict per (forward, request, layer): numpy arrays
-        self.summary = defaultdict(lambda: {"rows": 0, "reads": 0, "max_bound": 0.0, "max_pre_gate": 0.0, "sum_bound": 0.0,
-                                            "repairs": 0, "repaired_heads": [], "violations": 0,
-                                            "max_true_tv": 0.0})
-        self.repaired = {}  # (request, layer) -> bool [Hkv]
+        self.impls = []  # the backend impls of this process (one per layer)
+        self.rank = (0, 0)
+        self.side_bytes = 0  # bytes of the exact side store (K and V) allocated in this process
+        self.vllm_cache_bytes = 0  # vLLM's paged cache of the certified layers
+        self.kvcert_bytes = 0  # every side tensor of kvcert: witness and exact store
+        self.memory = {}  # _kv_budget: vLLM's budget, its share, the RSS before the caches were allocated
+        self.repaired = {}  # request -> {layer: bool [Hkv]}: the gate's state while the request runs
         self.pending = []  # kernel reads of this step whose certificates are not computed yet (see flush)
         self.pending_layers = set()
-        self.side_bytes = 0  # bytes of the exact side store (K and V) allocated in this process
-        self.rank = (0, 0)
-        self.impls = getattr(self, "impls", [])  # the backend impls of this process (one per layer)
+        self.clear()
+
+    def clear(self):
+        """Drop the records and the summaries (the gate's state of running requests stays)."""
+        self.records = deque()  # one dict per (forward, request, layer): numpy arrays
+        self.records_dropped = 0
+        self.summary = {}  # running (or not yet retired) request -> summary
+        self.finished = OrderedDict()  # finished request -> summary, oldest first
+        self.summaries_dropped = 0
+
+    def record(self, rec):
+        cap = config().records
+        if len(self.records) >= cap:
+            self.records_dropped += 1
+            if cap == 0:
+                return
+            self.records.popleft()
+        self.records.append(rec)
+
+    def summary_of(self, rid):
+        s = self.summary.get(rid)
+        if s is None:
+            s = self.summary[rid] = self.finished.pop(rid, None) or _new_summary()
+        return s
+
+    def retire(self):
+        """Requests the model runner no longer holds have finished: their summaries move to `finished`
+        (bounded), their gate state is dropped."""
+        live = getattr(self.runner, "requests", None)
+        if live is None:
+            return
+        for rid in [r for r in self.summary if r not in live]:
+            self.finished[rid] = self.summary.pop(rid)
+        for rid in [r for r in self.repaired if r not in live]:
+            del self.repaired[rid]
+        cap = config().max_summaries
+        while len(self.finished) > cap:
+            self.finished.popitem(last=False)
+            self.summaries_dropped += 1
+
+    def hand_back(self, ids):
+        """Pop the summaries of these requests (external ids: RequestOutput.request_id), gate state too."""
+        ids, out = set(ids), {}
+        for d in (self.summary, self.finished):
+            for rid in [r for r in d if external_id(r) in ids]:
+                out[rid] = d.pop(rid)
+        for rid in [r for r in self.repaired if external_id(r) in ids]:
+            del self.repaired[rid]
+        return out
 
     def req_ids(self, n):
         runner = self.runner
@@ -209,10 +336,13 @@ def _backend_classes():
                                  "block size a multiple of 32)")
             nb, hkv, bs, _ = kv_cache.shape
             self.rho = torch.zeros(nb, hkv, bs, self.cfg.bands, dtype=torch.float32)
+            STATE.kvcert_bytes += self.rho.numel() * 4
+            STATE.vllm_cache_bytes += kv_cache.numel() * kv_cache.element_size()
             if self.cfg.exact_store:
                 self.exact_k = torch.zeros(nb, hkv, bs, self.head_size, dtype=torch.float32)
                 self.exact_v = torch.zeros_like(self.exact_k)
                 STATE.side_bytes += 2 * self.exact_k.numel() * 4
+                STATE.kvcert_bytes += 2 * self.exact_k.numel() * 4
             STATE.rank = _ranks()
 
         def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
@@ -313,6 +443,8 @@ def _backend_classes():
             for all of them) right away when a gate or the shadow needs them now, else once per step for all
             the layers of this rank (STATE.pending, flushed after the last layer and by collect)."""
             H, D = self.num_heads, self.head_size
+            if STATE.impls and STATE.impls[0] is self:  # once per step: drop what finished requests left
+                STATE.retire()
             n = md.num_actual_tokens
             qsl = md.query_start_loc.tolist()
             seq = md.seq_lens.tolist()
@@ -356,10 +488,10 @@ def _backend_classes():
             G = H // Hkv
             T, N, pos, q, lidx = e["T"], e["N"], e["pos"], e["q"], e["layer"]
             tp_rank, pp_rank = STATE.rank
-            key = (e["request"], lidx)
-            rep = STATE.repaired.get(key)
+            reps = STATE.repaired.setdefault(e["request"], {})
+            rep = reps.get(lidx)
             if rep is None:
-                rep = STATE.repaired[key] = torch.zeros(Hkv, dtype=torch.bool)
+                rep = reps[lidx] = torch.zeros(Hkv, dtype=torch.bool)
             fresh = []
             if cfg.gate.kind == "certified":
                 over = bound.view(T, Hkv, G).amax(dim=(0, 2)) > cfg.gate.tau
@@ -380,7 +512,7 @@ def _backend_classes():
                     kt, _ = self._views(e["kv"])
                     k = kt[blocks].permute(1, 0, 3, 2).reshape(Hkv, -1, D)[:, :N]  # [Hkv, N, D] as stored
                     true_tv = _true_tv(q, ek, k, pos, self.scale, rep)  # [T, H]
-            s = STATE.summary[e["request"]]
+            s = STATE.summary_of(e["request"])
             s["rows"] += T
             s["reads"] += T * H
             top = float(bound.max())
@@ -398,7 +530,7 @@ def _backend_classes():
                 rec["true_tv"] = true_tv.numpy()
                 s["violations"] += int((true_tv > served).sum())
                 s["max_true_tv"] = max(s["max_true_tv"], float(true_tv.max()))
-            STATE.records.append(rec)
+            STATE.record(rec)
             if cfg.trace_dir:
                 _trace(rec)
 
@@ -493,12 +625,21 @@ def _trace(rec):
 
 
 def register():
-    """vllm.general_plugins entry point: a no-op unless KVCERT_VLLM=1."""
-    cfg = config()
+    """vllm.general_plugins entry point: a no-op unless KVCERT_VLLM=1. vLLM calls it in its main process
+    (EngineArgs, `vllm serve`'s argument parser) before any engine process starts: a bad KVCERT_* setting,
+    and (when the engine configuration is built) an unsupported model or cache, stop the process there with
+    one line (StartupError). In the workers it installs the backend, names the batch's requests, and puts
+    kvcert's side tensors inside vLLM's KV-cache budget (_kv_budget)."""
+    try:
+        cfg = config()
+    except ValueError as e:
+        _refuse(e)
     if not cfg.enabled:
         return
+    from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.cpu_worker import CPUWorker
 
     register_backend(AttentionBackendEnum.CPU_ATTN, "fast.integrations.vllm.KVCertBackend")
     if not getattr(CPUModelRunner, "_kvcert_wrapped", False):
@@ -510,6 +651,50 @@ def register():
 
         CPUModelRunner.initialize_kv_cache = initialize_kv_cache
         CPUModelRunner._kvcert_wrapped = True
+    if not getattr(EngineArgs, "_kvcert_wrapped", False):
+        create = EngineArgs.create_engine_config
+
+        def create_engine_config(self, *args, **kwargs):  # main process, before the engine core starts
+            vc = create(self, *args, **kwargs)
+            if config().enabled:
+                try:
+                    check_vllm_config(config(), vc)
+                except ValueError as e:
+                    _refuse(e)
+            return vc
+
+        EngineArgs.create_engine_config = create_engine_config
+        EngineArgs._kvcert_wrapped = True
+    if not getattr(CPUWorker, "_kvcert_wrapped", False):
+        available = CPUWorker.determine_available_memory
+
+        def determine_available_memory(self):  # the KV-cache bytes vLLM divides into blocks
+            return _kv_budget(self, available(self))
+
+        CPUWorker.determine_available_memory = determine_available_memory
+        CPUWorker._kvcert_wrapped = True
+
+
+def _rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def _kv_budget(worker, budget):
+    """vLLM's KV budget (kv_cache_memory_bytes / VLLM_CPU_KVCACHE_SPACE, or what it measured free) covers
+    vLLM's cache AND kvcert's side tensors (witness, exact store): vLLM gets the share of its own bytes per
+    slot, so blocks * (vLLM's + kvcert's bytes per block) <= budget. The worker's RSS is noted here, before
+    either is allocated (kvcert_memory)."""
+    cfg = config()
+    mc = worker.vllm_config.model_config
+    D = mc.get_head_size()
+    ours = cfg.side_bytes_per_slot(D)
+    theirs = 2 * D * mc.dtype.itemsize  # K and V per (slot, KV head) in vLLM's cache (kv_cache_dtype auto)
+    share = budget * theirs // (theirs + ours)
+    STATE.memory = {"budget": int(budget), "vllm_share": int(share), "rss_before_kv": _rss()}
+    print(f"kvcert: of the KV-cache budget of {budget / 2**30:.3f} GiB, {share / 2**30:.3f} GiB go to vLLM's cache, "
+          f"the rest to kvcert's witness{' and exact store' if cfg.exact_store else ''}", file=sys.stderr)
+    return int(share)
 
 
 def __getattr__(name):  # KVCertBackend / KVCertImpl are built on first use (vLLM imported lazily)
@@ -521,19 +706,37 @@ def __getattr__(name):  # KVCertBackend / KVCertImpl are built on first use (vLL
 
 
 class KVCertWorker:
-    """worker_extension_cls: LLM.collective_rpc("kvcert_collect") pulls each rank's records."""
+    """worker_extension_cls: LLM.collective_rpc("kvcert_collect" / "kvcert_summaries" / "kvcert_memory")."""
 
     def kvcert_collect(self, clear=True, records=True):
+        """This rank's records (the last KVCERT_RECORDS) and the summaries not handed back yet; clear: drop them."""
+        if records and config().records == 0:  # collect() says so in one line; nothing is dropped
+            return {"rank": list(STATE.rank), "records_cap": 0}
         flush()
+        STATE.retire()
+        summ = {**STATE.finished, **STATE.summary}
         out = {"rank": list(STATE.rank), "side_bytes": STATE.side_bytes,
-               "summary": {k: dict(v) for k, v in STATE.summary.items()},
-               "records": [_plain(r) for r in STATE.records] if records else []}
+               "summary": {k: dict(v) for k, v in summ.items()},
+               "records": [_plain(r) for r in STATE.records] if records else [],
+               "records_cap": config().records, "records_dropped": STATE.records_dropped,
+               "summaries_dropped": STATE.summaries_dropped}
         if clear:
-            side = STATE.side_bytes
-            STATE.reset()
-            STATE.side_bytes = side
+            STATE.clear()
         return out
 
+    def kvcert_summaries(self, ids):
+        """Hand back (and drop) the summaries of these requests (RequestOutput.request_id)."""
+        flush()
+        got = STATE.hand_back(ids)
+        STATE.retire()
+        return {"rank": list(STATE.rank), "summary": {k: dict(v) for k, v in got.items()}}
+
+    def kvcert_memory(self):
+        """vLLM's KV budget and its share (_kv_budget), the bytes of vLLM's cache and of kvcert's side tensors
+        allocated, the RSS before the caches and now, and what this process holds for requests."""
+        return {**STATE.memory, "rss_now": _rss(), "vllm_cache_bytes": STATE.vllm_cache_bytes,
+                "kvcert_bytes": STATE.kvcert_bytes, "records": len(STATE.records),
+                "summaries": len(STATE.summary) + len(STATE.finished), "gate_requests": len(STATE.repaired)}
 
     def kvcert_check_store(self):
         """(slots checked, mismatches): every key and value vLLM holds for a written slot, read back
@@ -555,14 +758,24 @@ class KVCertWorker:
         return checked, bad
 
 
-def make_llm(model, *, codec="fp8_e4m3", gate="none", shadow=False, certify=True, trace_dir=None, bands=8, **kwargs):
+def make_llm(model, *, codec="fp8_e4m3", gate="none", shadow=False, certify=True, trace_dir=None, bands=8,
+             records=100_000, max_summaries=1024, **kwargs):
     """vllm.LLM with the plugin on (sets the KVCERT_* environment the workers inherit) after the
-    start-up checks; bad configuration -> ValueError with one line, before any engine starts."""
-    env = {ENV: "1", "KVCERT_CODEC": codec, "KVCERT_GATE": str(gate), "KVCERT_SHADOW": "1" if shadow else "0",
-           "KVCERT_CERTIFY": "1" if certify else "0", "KVCERT_BANDS": str(bands)}
+    start-up checks; bad configuration -> ValueError with one line, before any engine starts.
+    records: per-read records each worker keeps for collect() (the oldest dropped first; 0: none);
+    max_summaries: summaries of finished requests a worker keeps until handed back (generate() does).
+    kvcert's side tensors are counted inside vLLM's KV-cache budget (kv_cache_memory_bytes, or what vLLM
+    finds free): vLLM's reported KV capacity is what is left for its cache."""
+    env = {ENV: "1", "KVCERT_CODEC": str(codec), "KVCERT_GATE": str(gate), "KVCERT_SHADOW": "1" if shadow else "0",
+           "KVCERT_CERTIFY": "1" if certify else "0", "KVCERT_BANDS": str(bands), "KVCERT_RECORDS": str(records),
+           "KVCERT_MAX_SUMMARIES": str(max_summaries)}
     if trace_dir:
         env["KVCERT_TRACE_DIR"] = str(trace_dir)
-    cfg = Config(env)
+    else:  # a trace_dir of an earlier make_llm in this process must not reach this engine's workers
+        os.environ.pop("KVCERT_TRACE_DIR", None)
+    names = {"KVCERT_CODEC": "codec", "KVCERT_GATE": "gate", "KVCERT_BANDS": "bands", "KVCERT_RECORDS": "records",
+             "KVCERT_MAX_SUMMARIES": "max_summaries"}
+    cfg = Config({**{k: v for k, v in os.environ.items() if k.startswith("KVCERT_")}, **env}, names=names)
     backend = kwargs.get("attention_backend")
     if backend not in (None, "CPU_ATTN"):
         raise ValueError(f"kvcert: attention_backend={backend!r} is not supported (the plugin wraps CPU_ATTN)")
@@ -572,14 +785,18 @@ def make_llm(model, *, codec="fp8_e4m3", gate="none", shadow=False, certify=True
         check_engine(cfg, dtype=kwargs["dtype"], kv_cache_dtype="auto", head_size=2 * bands)
     check_engine(cfg, dtype="float32", kv_cache_dtype=kwargs["kv_cache_dtype"], head_size=_head_size(model))
     os.environ.update(env)
-    global CONFIG
+    global CONFIG, _MAKE_LLM
     CONFIG = cfg
     kwargs.setdefault("worker_extension_cls", EXTENSION)
     from vllm import LLM
     from vllm.plugins import load_general_plugins
-    load_general_plugins()
-    register()  # in case the plugins were loaded in this process before the switch was set
-    return LLM(model, **kwargs)
+    _MAKE_LLM = True
+    try:
+        load_general_plugins()
+        register()  # in case the plugins were loaded in this process before the switch was set
+        return LLM(model, **kwargs)
+    finally:
+        _MAKE_LLM = False
 
 
 def _head_size(model):
@@ -591,18 +808,26 @@ def _head_size(model):
     return c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
 
 
-def collect(llm, clear=True):
-    """Every rank's records and summaries (list, one entry per worker)."""
-    return llm.collective_rpc("kvcert_collect", args=(clear,))
+def collect(llm, clear=True, records=True):
+    """Every rank's records (the last `records=` of make_llm per rank) and the summaries not handed back
+    yet (list, one entry per worker); clear: the ranks drop them. generate() hands each request's summary
+    back with its output and leaves the records here. ValueError (one line) if records are asked for and
+    the engine keeps none."""
+    parts = llm.collective_rpc("kvcert_collect", args=(clear, records))
+    if records and parts and all(p["records_cap"] == 0 for p in parts):
+        raise ValueError("kvcert: this engine keeps no per-read records (records=0 / KVCERT_RECORDS=0): "
+                         "make_llm(records=N) keeps the last N per worker; per-request summaries come with "
+                         "generate() as .kvcert, or collect(llm, records=False)")
+    return parts
 
 
 def generate(llm, prompts, params=None, **kwargs):
     """llm.generate(prompts, params, **kwargs), each RequestOutput with its certificate summary attached
     as `.kvcert` (summaries(): merged over the ranks; reads, max/mean bound as served, the bound before
-    the gate, repairs, violations in shadow mode). The ranks' summaries are cleared; the per-read
-    records are not fetched (traces: trace_dir; records: collect())."""
+    the gate, repairs, violations in shadow mode). The ranks hand these requests' summaries back and drop
+    them; the per-read records stay for collect() (traces: trace_dir)."""
     outs = llm.generate(prompts, params, **kwargs)
-    summ = summaries(llm.collective_rpc("kvcert_collect", args=(True, False)))
+    summ = summaries(llm.collective_rpc("kvcert_summaries", args=([o.request_id for o in outs],)))
     for o in outs:
         o.kvcert = summ.get(o.request_id)
     return outs
