@@ -12,7 +12,7 @@ FusedCertifiedCache is the same class with value_bound=True refused (kept for ol
 
 What changes against CertifiedCache + the "kvcert" meter (fast.integrations.hf_meter):
 - update() does not rebuild the served fp32 [B, Hkv, N, D] tensors (CertifiedLayer.served): the
-  attention reads the layer's parts in place: int8 codes + fp16 scales + uint8 witness codes of
+  attention reads the layer's parts in place: int8 or packed int4 codes + fp16 scales + uint8 witness codes of
   the quantized part (segment 0), and the exact overlay (sinks) + exact tail (segment 1, fp32).
 - Every query row with a cache behind it goes through the kernel: decode (T = 1) and multi-token
   reads (a second turn, chunked prefill: row t at storage position n - T + t, causal).
@@ -21,7 +21,7 @@ What changes against CertifiedCache + the "kvcert" meter (fast.integrations.hf_m
 - The certificate epilogue (fast.core.cpu_fused._certificate: C++, numpy fallback) runs once per step for all
   layers, after the last one: cache.records gets one record per (step, layer) as with the meter.
 Falls back to the meter (hf_meter.kvcert_attention, the served fp32 copy) where the kernel does
-not apply: schemes other than int8, gates, shadow mode, int8_dither, repaired heads, non-fp32
+not apply: schemes other than int8 and int4, gates, shadow mode, int8_dither, repaired heads, non-fp32
 models. The first prefill reads the exact states with sdpa, as everywhere.
 This module is the integration proposal for hf_cache / hf_meter (see /work/notes/requests.md).
 """
@@ -78,7 +78,7 @@ class FusedLayer(CertifiedLayer):
             super()._flush(everything)
 
     def fused_ok(self):
-        """int8, no gate (so no repaired heads: only gates repair), no shadow, no value bound, certified or
+        """int8 or int4 (cpu_fused.FUSED_SCHEMES: codes read in place), no gate (so no repaired heads: only gates repair), no shadow, no value bound, certified or
         certify=False, fp32 on CPU, kernel built. Fixed for the layer's life: computed once (it is asked
         twice per layer and step)."""
         ok = getattr(self, "_fused_ok", None)
@@ -86,7 +86,7 @@ class FusedLayer(CertifiedLayer):
             if not self.is_initialized:
                 return False
             c = self.cache
-            ok = self._fused_ok = (c.scheme.name == "int8" and c.gate.kind == "none" and not c.shadow
+            ok = self._fused_ok = (c.scheme.name in cpu_fused.FUSED_SCHEMES and c.gate.kind == "none" and not c.shadow
                                    and not c.value_bound and not c.box_form
                                    and self.dtype == torch.float32 and self.device.type == "cpu"
                                    and cpu_fused.available())
