@@ -42,7 +42,7 @@ def test_exp_exhaustive():
 CASE = st.fixed_dictionaries({
     "seed": st.integers(0, 2**31 - 1), "B": st.integers(1, 2), "T": st.integers(1, 3), "Hkv": st.integers(1, 3),
     "G": st.integers(1, 3), "N": st.integers(1, 40), "D": st.sampled_from([32, 64, 96]), "NB": st.sampled_from([1, 4, 8]),
-    "cache": st.sampled_from(["int8", "float"]), "group": st.sampled_from([16, 0]),
+    "cache": st.sampled_from(["int8", "int4", "float"]), "group": st.sampled_from([16, 0]),
     "witness": st.sampled_from(["stored", "packed", "derived"]), "mag": st.sampled_from([1e-3, 1.0, 30.0]),
     "padding": st.booleans(), "exact": st.booleans(), "kpos": st.booleans()})
 
@@ -59,7 +59,7 @@ def build(case):
         rho = fast.witness(k, kc, bands)
     else:
         gs = case["group"] or D
-        kc, vc = fast.quantize(k, "int8", group_size=gs), fast.quantize(v, "int8", group_size=gs)
+        kc, vc = fast.quantize(k, case["cache"], group_size=gs), fast.quantize(v, case["cache"], group_size=gs)
         rho = None if case["witness"] == "derived" else fast.witness(k, fast.dequantize(kc), bands)
     if case["witness"] == "packed":
         rho = fast.pack_witness(rho)
@@ -173,7 +173,7 @@ def test_unsupported_codec_goes_to_twin():
     g = torch.Generator().manual_seed(2)
     k, v = torch.randn(1, 2, 30, 64, generator=g), torch.randn(1, 2, 30, 64, generator=g)
     q = torch.randn(1, 2, 4, 64, generator=g)
-    kq, vq = fast.quantize(k, "int4"), fast.quantize(v, "int4")
+    kq, vq = fast.quantize(k, "fp8_e4m3"), fast.quantize(v, "fp8_e4m3")
     bands = fast.rope_bands(64, 8)
     qp = torch.tensor([[28, 29]])
     out, cert = cpu_fused.attention_rows(q, kq, vq, None, 0.125, bands=bands, q_pos=qp)
@@ -333,7 +333,7 @@ def test_vector_build_is_the_vector_one():
 SEGS = st.fixed_dictionaries({
     "seed": st.integers(0, 2**31 - 1), "B": st.integers(1, 2), "T": st.integers(1, 3), "Hkv": st.integers(1, 2),
     "G": st.integers(1, 3), "N0": st.integers(0, 45), "N1": st.integers(1, 12), "D": st.sampled_from([64, 80, 144]),
-    "groups": st.sampled_from([1, 2, 8]), "holes": st.booleans(), "exact": st.booleans(), "certify": st.booleans(),
+    "groups": st.sampled_from([1, 2, 8]), "codec": st.sampled_from(["int8", "int4"]), "holes": st.booleans(), "exact": st.booleans(), "certify": st.booleans(),
     "mag": st.sampled_from([1e-3, 1.0, 30.0])})
 
 
@@ -351,8 +351,8 @@ def test_vector_paths_same_bits_as_scalar(case):
     NB, H = 8, Hkv * G
     bands = fast.rope_bands(D, NB)
     k, v = torch.randn(B, Hkv, N0, D, generator=g), torch.randn(B, Hkv, N0, D, generator=g)
-    kq = fast.quantize(k, "int8", group_size=D // case["groups"])
-    vq = fast.quantize(v, "int8", group_size=D // case["groups"])
+    kq = fast.quantize(k, case["codec"], group_size=D // case["groups"])
+    vq = fast.quantize(v, case["codec"], group_size=D // case["groups"])
     rho = fast.pack_witness(fast.witness(k, fast.dequantize(kq), bands)).contiguous()
     if case["exact"] and N0:  # code 0 (rho = 0: a band stored exactly) at some (token, band) inside the blocks
         rho[torch.rand(rho.shape, generator=g) < 0.1] = 0
@@ -683,3 +683,97 @@ def test_top_log_code_same_bits_and_refused_to_the_twin():
     # through attention_rows: the twin's certificate, vacuous on the heads that read a top code, sound
     out, cert = cpu_fused.attention_rows(q, kq, vq, rho, D ** -0.5, bands=bands, q_pos=qpos.long(), valid=valid[:, 0].bool())
     assert bool((cert["min"][..., 2:] == 1).all()) and bool(torch.isfinite(cert["min"]).all())
+
+
+# ---- int4: packed codes read in place ----
+
+INT4 = st.fixed_dictionaries({
+    "seed": st.integers(0, 2**31 - 1), "B": st.integers(1, 2), "T": st.integers(1, 3), "Hkv": st.integers(1, 2),
+    "G": st.integers(1, 3), "N": st.integers(1, 45), "D": st.sampled_from([64, 80]), "group": st.sampled_from(["one", "16", "even", "odd"]),
+    "certify": st.booleans(), "mag": st.sampled_from([1e-3, 1.0, 30.0])})
+
+
+@settings(max_examples=30, deadline=None)
+@given(case=INT4)
+def test_int4_codes_read_as_the_twins_dequantized_rows(case):
+    """Differential (fused int4 vs the twin's dequantize): the kernel reading packed int4 codes + fp16 scales in
+    place gives the SAME output and certificate sums, bit for bit, as the kernel reading fast.dequantize of them
+    as fp32 rows (k~ = (nibble - 8) scale is exact in fp32: any other nibble order, scale or group gives other
+    logits), in the AVX2 build (8 channels unpacked per register) and the scalar one, group widths odd and even
+    (5: a group boundary inside a byte); the logit bound e from the scales (|code| <= 7) is >= the one from the
+    rows' own max |k~| and is the twin's (fast.core.certify.logit_rounding_np with QTensor.max_abs) up to fp64
+    rounding."""
+    from fast.core.certify import logit_rounding_np
+    from fast.core.witness import _log_table
+    g = torch.Generator().manual_seed(case["seed"])
+    B, T, Hkv, G, N, D = (case[x] for x in ("B", "T", "Hkv", "G", "N", "D"))
+    T, NB, H = min(T, N), 8, Hkv * G
+    k, v = torch.randn(B, Hkv, N, D, generator=g), torch.randn(B, Hkv, N, D, generator=g)
+    gs = {"one": D, "16": 16, "even": 10 if D == 80 else 32, "odd": 5 if D == 80 else 1}[case["group"]]
+    kq, vq = fast.quantize(k, "int4", group_size=gs), fast.quantize(v, "int4", group_size=gs)
+    bands = fast.rope_bands(D, NB)
+    rho = fast.pack_witness(fast.witness(k, fast.dequantize(kq), bands)).contiguous()
+    q = (torch.randn(B, T, H, D, generator=g) * case["mag"]).contiguous()
+    qpos = (N - T + torch.arange(T, dtype=torch.int32)).view(1, T).expand(B, T).contiguous()
+    lut, b64, s = _log_table("cpu").to(torch.float32).contiguous(), bands.to(torch.int64).contiguous(), D ** -0.5
+    ng = D // gs
+    codes = [cpu_fused.seg(Hkv, N, k=kq.codes, v=vq.codes, k_scales=kq.scales, v_scales=vq.scales, rho=rho), cpu_fused.seg(Hkv, 0)]
+    rows = [cpu_fused.seg(Hkv, N, k=fast.dequantize(kq).contiguous(), v=fast.dequantize(vq).contiguous(), rho=rho), cpu_fused.seg(Hkv, 0)]
+    rep = f"case {json.dumps(case)}"
+    got = {}
+    for sc in (False, True):
+        got[sc] = cpu_fused._run(q, qpos, codes, s, b64, ng, ng, case["certify"], lut, scalar=sc)
+        want = cpu_fused._run(q, qpos, rows, s, b64, 1, 1, case["certify"], lut, scalar=sc)
+        assert torch.equal(got[sc][0], want[0]), "output differs from the dequantized rows' " + rep
+        assert torch.equal(got[sc][1][..., :4].view(torch.int64), want[1][..., :4].view(torch.int64)), "sums differ " + rep
+        assert bool((got[sc][1][..., 4] >= want[1][..., 4]).all()), "e below the rows' own bound " + rep
+    assert torch.equal(got[False][0], got[True][0]) and torch.equal(got[False][1].view(torch.int64), got[True][1].view(torch.int64)), rep
+    kmax = kq.max_abs().numpy()  # [B, Hkv, D]
+    q64 = q.double().numpy()
+    for b in range(B):
+        for t in range(T):
+            for h in range(H):
+                e_twin = float(logit_rounding_np(q64[b, t, h][None, None], kmax[b, h // G][None, None], s).reshape(-1)[0])
+                e = float(got[True][1][b, t, h, 4])
+                assert e_twin * (1 - 1e-12) <= e <= e_twin * (1 + 1e-9) + 2.0 ** -140, (e, e_twin, rep)
+
+
+@pytest.mark.parametrize("what", ["nibble_zero_key", "nibble_zero_value", "codes_int8", "codes_unpacked_width", "fp32_scales",
+                                  "groups_off_D", "scales_short", "mixed_schemes"])
+def test_int4_bad_inputs_one_value_error(what):
+    """int4 inputs the kernel trusts: codes that are not uint8 [B, Hkv, N, D / 2] (int8 bytes, one byte per channel),
+    scales not fp16 per token and group, keys and values of two schemes (the twin would take them: refused here
+    only where they would be misread), and a packed 0 nibble (code -8, which quantize never writes and the
+    logit bound's |code| <= 7 does not cover): one ValueError each, before any number is returned."""
+    from fast.core.quant import QTensor
+    g = torch.Generator().manual_seed(4)
+    k, v = torch.randn(1, 1, 10, 32, generator=g), torch.randn(1, 1, 10, 32, generator=g)
+    q = torch.randn(1, 1, 2, 32, generator=g)
+    kq, vq = fast.quantize(k, "int4", group_size=16), fast.quantize(v, "int4", group_size=16)
+    bands, qp = fast.rope_bands(32, 4), torch.tensor([[9]])
+    cpu_fused.attention_rows(q, kq, vq, None, 0.125, bands=bands, q_pos=qp)  # the good call runs
+    mk = lambda t, **kw: QTensor(**{**t.__dict__, **kw})
+    if what == "nibble_zero_key":
+        kq.codes[0, 0, 3, 5] &= 0xF0  # channel 10's nibble
+    elif what == "nibble_zero_value":
+        vq.codes[0, 0, 9, 2] &= 0x0F  # channel 5's nibble of the newest token (read with weight > 0)
+    elif what == "codes_int8":
+        kq = mk(kq, codes=kq.codes.to(torch.int8))
+    elif what == "codes_unpacked_width":
+        kq = mk(kq, codes=torch.cat([kq.codes, kq.codes], -1))
+    elif what == "fp32_scales":
+        vq = mk(vq, scales=vq.scales.float())
+    elif what == "groups_off_D":
+        kq = mk(kq, scales=torch.ones(1, 1, 10, 3, dtype=torch.float16))
+    elif what == "scales_short":
+        kq = mk(kq, scales=kq.scales[:, :, :4].contiguous())
+    elif what == "mixed_schemes":  # int4 keys with int8 values: the twin reads them, the kernel must not
+        vq = fast.quantize(v, "int8", group_size=16)
+        out, cert = cpu_fused.attention_rows(q, kq, vq, None, 0.125, bands=bands, q_pos=qp)
+        out_t, cert_t = twin.attention_rows(q, kq, vq, None, 0.125, bands=bands, q_pos=qp, backend="torch")
+        assert torch.equal(out, out_t)  # went to the twin
+        with pytest.raises(ValueError):
+            cpu_fused.seg(1, 10, k=kq.codes, v=vq.codes, k_scales=kq.scales, v_scales=vq.scales)
+        return
+    with pytest.raises(ValueError):
+        cpu_fused.attention_rows(q, kq, vq, None, 0.125, bands=bands, q_pos=qp)

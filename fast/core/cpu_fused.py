@@ -1,4 +1,4 @@
-"""Fused CPU read of an int8 KV cache with its certificate: one C++ call per read.
+"""Fused CPU read of an int8 or int4 KV cache with its certificate: one C++ call per read.
 
 Why a C++ extension (csrc/cpu_fused.cpp), built at first use with g++ into a cache directory:
 decode is memory-bound, and the torch twin (fast.core.attention.attention_torch) dequantizes
@@ -19,9 +19,10 @@ operations in its order, so a -DKVCERT_SCALAR build gives the same bits (tests/t
     out, cert = cpu_fused.attention_rows(q, k, v, rho, scale, bands=..., q_pos=...)  # the contract
     cpu_fused.available()                                                           # built and loadable?
 
-Supported: keys and values both int8 QTensor (scheme "int8", any group count) or both float;
-rho None (derived from the scales), fp32/fp16, or uint8 log codes. Anything else (int4, fp8,
-dither, kivi2, v_err) goes to the torch twin.
+Supported: keys and values both int8 QTensor (scheme "int8"), both int4 QTensor (scheme "int4": codes
+packed two per byte, read in place, unpacked in registers) with any group count, or both float;
+rho None (derived from the scales, fast.core.witness.witness_from_scales, for int8 and int4 alike),
+fp32/fp16, or uint8 log codes. Anything else (fp8, dither, kivi2, v_err) goes to the torch twin.
 
 The certificate: the same forms, from the same fast.core.certify.forms_from_pmz, as the twin.
 Re-derived here is only how Z, P = sum w expm1(c), M = sum w (1 - e^-c) are bounded: the kernel
@@ -41,12 +42,15 @@ then adds, unchanged, its margin for w against the exact e^{x - m} and for the l
 The looseness against the twin's per-term expm1 is relative O(cm^2) (P1, M1): ~1e-3 at cm = 0.1.
 
 Floating point (math.md T8, matching csrc/cpu_fused.cpp line by line).
-- Logits: k~ = code x scale is exact in fp32 (8-bit code, 11-bit fp16 scale), so x = fl(fl(q . k~) s)
+- Logits: k~ = code x scale is exact in fp32 (8-bit code, or int4's nibble - 8 in [-7, 7], times an 11-bit
+  fp16 scale: the twin's dequantize, bit for bit), so x = fl(fl(q . k~) s)
   with the D-term dot product in 8 fma lanes and a fixed tree: gamma_D (any order), one rounding for
   s: within gamma_{D+1} of s sum_i |q_i| |k~_i|, inside the twin's e = s (D + 4) u32 (1.01)
   sum_i |q_i| kmax_i (fast.core.certify.logit_rounding), which the kernel evaluates the same way in
-  fp64 (last product one ulp up, plus T8e's absolute term (2.03 D s + 1) 2^-150 for subnormal products) with kmax_i = max(127 (1 + 2^-23) x the largest fp16 scale of
-  channel i over the codes, the largest |k_i| of the fp32 rows): the bound QTensor.max_abs uses.
+  fp64 (last product one ulp up, plus T8e's absolute term (2.03 D s + 1) 2^-150 for subnormal products) with kmax_i = max(cmax (1 + 2^-23) x the largest fp16 scale of
+  channel i over the codes, the largest |k_i| of the fp32 rows), cmax = 127 (int8) or 7 (int4, quant.CODE_MAX):
+  the bound QTensor.max_abs uses. A packed int4 byte with a 0 nibble (code -8: no code quantize writes, and
+  |k~| = 8 scale would break cmax = 7) decodes to NaN: the logit flag (keys) or the output flag (values) refuses it.
 - Weights: w = kv_exp(fl(x - m)), m the max over the readable tokens of the row (one max for all
   chunks). kv_exp (Cody-Waite + degree-7 Taylor, fma) is checked EXHAUSTIVELY against fp64 exp on
   every fp32 input in [-104, 0] (exp_check(), run by tests/test_cpu_fused.py): relative error
@@ -101,6 +105,7 @@ SRC = Path(__file__).resolve().parent / "csrc" / "cpu_fused.cpp"
 FLAGS = ["-O3", "-g", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp", "-fopenmp-simd", "-fPIC", "-shared", "-std=c++17"]
 CHUNK = 512      # at most this many tokens per work item (pass 1 and 2 split the cache into (b, kv head, chunk)
 #                  items of equal size, a multiple of 8: see _chunk)
+FUSED_SCHEMES = ("int8", "int4")  # QTensor codecs the kernel reads in place (keys and values of one scheme)
 KAPPA_MIN = 2.0 ** -60
 RHO_MIN = 2.0 ** -64
 
@@ -115,9 +120,9 @@ class _Seg(ctypes.Structure):
         ("valid", ctypes.c_void_p), ("va_sb", ctypes.c_int64), ("va_sh", ctypes.c_int64),
         ("exact", ctypes.c_void_p), ("ex_sb", ctypes.c_int64), ("ex_sh", ctypes.c_int64),
         ("pos", ctypes.c_void_p), ("p_sb", ctypes.c_int64), ("p_sh", ctypes.c_int64),
-        ("n", ctypes.c_int64), ("is_int8", ctypes.c_int), ("rho_u8", ctypes.c_int),
+        ("n", ctypes.c_int64), ("coded", ctypes.c_int), ("rho_u8", ctypes.c_int),
         ("table", ctypes.c_void_p), ("tb_sb", ctypes.c_int64), ("bs", ctypes.c_int64), ("k_t", ctypes.c_int),
-        ("bs_log2", ctypes.c_int)]]
+        ("bs_log2", ctypes.c_int), ("int4", ctypes.c_int)]]
 
 
 class _Args(ctypes.Structure):
@@ -293,7 +298,7 @@ def _check_run(q, qpos, segs, s, bands, ngk, ngv, certify, lut):
     for i, sg in enumerate(segs):
         if sg["c"].n and (sg["B"] != B or sg["D"] != D):
             raise ValueError(f"segment {i}: batch {sg['B']} and head size {sg['D']}, the query has {B} and {D}")
-    if n1 and (segs[1]["c"].is_int8 or segs[1]["c"].rho or segs[1]["c"].bs):
+    if n1 and (segs[1]["c"].coded or segs[1]["c"].rho or segs[1]["c"].bs):
         raise ValueError("segment 1: exact fp32 rows only (read with c = 0; no codes, witness or block table)")
     if (ngk, ngv) != (segs[0]["ng"] if n0 else (1, 1)):
         raise ValueError(f"ngk, ngv = {(ngk, ngv)}: segment 0 holds {segs[0]['ng'] if n0 else (1, 1)} scale groups")
@@ -414,8 +419,9 @@ def _check_head_dim(D):
 
 
 def seg(Hkv, n, *, k=None, v=None, k_scales=None, v_scales=None, rho=None, valid=None, exact=None, pos=None):
-    """One kernel segment: keys/values int8 codes (+ fp16 scales [.., N, ng], ng dividing D; int16 views of
-    them accepted) or fp32 rows [B, Hkv, N, D]; rho [B, Hkv, N, NB] uint8 log codes or fp32 (None: c = 0,
+    """One kernel segment: keys/values int8 codes [B, Hkv, N, D], packed int4 codes (uint8 [B, Hkv, N, D / 2],
+    fast.core.quant's layout: channel d in byte d // 2, low nibble = even channel, code = nibble - 8), each with
+    fp16 scales [.., N, ng], ng dividing D (int16 views of them accepted), or fp32 rows [B, Hkv, N, D]; rho [B, Hkv, N, NB] uint8 log codes or fp32 (None: c = 0,
     exact tokens); valid / exact uint8 or bool [B, Hkv, N] (size 1 or stride 0 broadcasts in B, Hkv); pos
     int32 [B, Hkv, N] (None: storage index). Every shape, dtype, stride and count the kernel trusts is
     checked here (ValueError); _run checks the segments against the query. Tensors are kept alive by the
@@ -429,29 +435,31 @@ def seg(Hkv, n, *, k=None, v=None, k_scales=None, v_scales=None, rho=None, valid
         return keep
     if k is None or v is None:
         raise ValueError("seg: keys and values are required for n > 0")
-    B, D = (k.shape[0], k.shape[3]) if isinstance(k, torch.Tensor) and k.dim() == 4 else (0, 0)
+    B, W = (k.shape[0], k.shape[3]) if isinstance(k, torch.Tensor) and k.dim() == 4 else (0, 0)
+    packed = isinstance(k, torch.Tensor) and k.dtype == torch.uint8  # int4: two codes per byte, [.., N, D / 2]
+    D = 2 * W if packed else W
     for name, t in (("k", k), ("v", v)):
-        p, sb, sh = _check_block(name, t, (torch.int8, torch.float32), (B, Hkv, n, D))
+        p, sb, sh = _check_block(name, t, (torch.int8, torch.uint8, torch.float32), (B, Hkv, n, W))
         setattr(c, name, p)
         setattr(c, f"{name}_sb", sb)
         setattr(c, f"{name}_sh", sh)
         keep[name] = t
     _check_head_dim(D)
     if k.dtype != v.dtype:
-        raise ValueError("k and v: both int8 codes or both fp32 rows")
-    c.is_int8 = int(k.dtype == torch.int8)
+        raise ValueError("k and v: both int8 codes, both packed int4 codes (uint8 [.., N, D / 2]) or both fp32 rows")
+    c.coded, c.int4 = int(k.dtype != torch.float32), int(packed)
     ng = [1, 1]
-    if c.is_int8:
+    if c.coded:
         for i, (name, t) in enumerate((("k_scales", k_scales), ("v_scales", v_scales))):
             if t is None:
-                raise ValueError(f"{name}: int8 codes need their fp16 scales")
+                raise ValueError(f"{name}: integer codes need their fp16 scales")
             _check_block(name, t, (torch.float16, torch.int16), (B, Hkv, n, None))
             ng[i] = t.shape[-1]
             if D % ng[i]:
                 raise ValueError(f"{name}: {ng[i]} groups do not divide the head size {D}")
         k_scales, v_scales = k_scales.view(torch.int16), v_scales.view(torch.int16)
     elif k_scales is not None or v_scales is not None:
-        raise ValueError("k_scales / v_scales: only for int8 codes")
+        raise ValueError("k_scales / v_scales: only for integer codes")
     keep["B"], keep["D"], keep["ng"] = B, D, tuple(ng)
     checks = {"ks": ((torch.int16,), (B, Hkv, n, None), False), "vs": ((torch.int16,), (B, Hkv, n, None), False),
               "rho": ((torch.uint8, torch.float32), (B, Hkv, n, None), False),
@@ -572,28 +580,33 @@ def _supported(k, v, v_err):
     if v_err is not None or D % 8 or D > 512:
         return False
     if isinstance(k, QTensor) and isinstance(v, QTensor):
-        return k.scheme == "int8" and v.scheme == "int8" and k.codes.device.type == "cpu"
+        return k.scheme == v.scheme and k.scheme in FUSED_SCHEMES and k.codes.device.type == "cpu"
     if isinstance(k, QTensor) or isinstance(v, QTensor):
         return False
     return k.device.type == "cpu" and k.dtype == torch.float32 and v.dtype == torch.float32
 
 
 def _check_qtensor(name, t):
-    """A QTensor the kernel reads: int8 codes [B, Hkv, N, D] and fp16 scales [B, Hkv, N, ng], ng dividing D,
-    on the CPU (a fp32 scale would be read as two fp16 halves, a group count off D leaves channels unset,
-    scales for fewer tokens than codes are read past their end). Float caches: nothing to check here."""
+    """A QTensor the kernel reads: int8 codes [B, Hkv, N, D] or int4 codes packed two per byte (uint8
+    [B, Hkv, N, D / 2]), and fp16 scales [B, Hkv, N, ng], ng dividing D, on the CPU (a fp32 scale would be read
+    as two fp16 halves, a group count off D leaves channels unset, scales for fewer tokens than codes are read
+    past their end, int8 codes read as packed nibbles or the reverse give other keys). Float caches: nothing
+    to check here. (A packed byte with a 0 nibble, no code quantize writes, is refused by the kernel: its
+    logit / output flag.)"""
     if not isinstance(t, QTensor):
         return
     c, sc = t.codes, t.scales
-    if not (isinstance(c, torch.Tensor) and c.dtype == torch.int8 and c.dim() == 4 and c.device.type == "cpu"):
-        raise ValueError(f"{name}: int8 QTensor codes must be an int8 CPU tensor [B, Hkv, N, D], got "
+    dtype, W = (torch.uint8, "D / 2") if t.scheme == "int4" else (torch.int8, "D")
+    if not (isinstance(c, torch.Tensor) and c.dtype == dtype and c.dim() == 4 and c.device.type == "cpu"):
+        raise ValueError(f"{name}: {t.scheme} QTensor codes must be a {dtype} CPU tensor [B, Hkv, N, {W}], got "
                          f"{getattr(c, 'dtype', c)} {tuple(getattr(c, 'shape', ()))}")
     if not (isinstance(sc, torch.Tensor) and sc.dtype == torch.float16 and sc.dim() == 4 and sc.device.type == "cpu"):
-        raise ValueError(f"{name}: int8 QTensor scales must be an fp16 CPU tensor [B, Hkv, N, ng], got "
+        raise ValueError(f"{name}: {t.scheme} QTensor scales must be an fp16 CPU tensor [B, Hkv, N, ng], got "
                          f"{getattr(sc, 'dtype', sc)} {tuple(getattr(sc, 'shape', ()))}")
-    if tuple(sc.shape[:3]) != tuple(c.shape[:3]) or sc.shape[3] < 1 or c.shape[3] % sc.shape[3]:
+    D = t.shape[3]
+    if tuple(sc.shape[:3]) != tuple(c.shape[:3]) or sc.shape[3] < 1 or D % sc.shape[3]:
         raise ValueError(f"{name}: scales {tuple(sc.shape)} do not fit codes {tuple(c.shape)} (one row of ng groups per "
-                         "token, ng dividing D)")
+                         f"token, ng dividing D = {D})")
 
 
 def attention_rows(q, k, v, rho, scale, *, bands, q_pos, k_pos=None, valid=None, exact=None, certify=True, v_err=None):

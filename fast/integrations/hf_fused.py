@@ -12,18 +12,20 @@ and "kvcert_fused" another name of the meter.
 
 What changes against CertifiedCache + the "kvcert" meter (fast.integrations.hf_meter):
 - update() does not rebuild the served fp32 [B, Hkv, N, D] tensors (CertifiedLayer.served): the
-  attention reads the layer's parts in place: int8 codes + fp16 scales + uint8 witness codes of
-  the quantized part (segment 0), and the exact overlay (sinks) + exact tail (segment 1, fp32).
+  attention reads the layer's parts in place: int8 or packed int4 codes + fp16 scales + uint8
+  witness codes of the quantized part (segment 0), and the exact overlay (sinks) + exact tail
+  (segment 1, fp32).
 - Every query row with a cache behind it goes through the kernel: decode (T = 1) and multi-token
   reads (a second turn, chunked prefill: row t at storage position n - T + t, causal).
 - Window leavers are quantized in blocks of FLUSH_BLOCK (one quantize + witness call per 32 steps
   and layer, not one per step); the tail holds window .. window + 31 exact tokens.
-- The certificate epilogue (fast.core.cpu_fused._certificate: C++, numpy fallback) runs once per step for all
-  layers, after the last one: cache.records gets one record per (step, layer) as with the meter.
-Falls back to the meter (hf_meter.kvcert_attention, the served fp32 copy) where the kernel does
-not apply: schemes other than int8, gates, shadow mode, int8_dither, repaired heads, non-fp32
-models. The first prefill reads the exact states with sdpa, as everywhere.
-This module is the integration proposal for hf_cache / hf_meter (see /work/notes/requests.md).
+- The certificate epilogue (fast.core.cpu_fused._certificate: C++, numpy fallback) runs once per
+  step for all layers, after the last one: cache.records gets one record per (step, layer) as
+  with the meter.
+Falls back to the torch twin (hf_meter's decode_step / rows_step, the served fp32 copy), certified
+the same way, where the kernel does not apply: schemes other than int8 and int4, gates, shadow
+mode, value or box bounds, the dithered schemes, non-fp32 models. The first prefill reads the exact
+states with sdpa, as everywhere.
 """
 
 import numpy as np
@@ -78,15 +80,16 @@ class FusedLayer(CertifiedLayer):
             super()._flush(everything)
 
     def fused_ok(self):
-        """int8, no gate (so no repaired heads: only gates repair), no shadow, no value bound, certified or
-        certify=False, fp32 on CPU, kernel built. Fixed for the layer's life: computed once (it is asked
+        """int8 or int4 (cpu_fused.FUSED_SCHEMES: codes read in place), no gate (so no repaired heads:
+        only gates repair), no shadow, no value bound or box form, certified or certify=False, fp32 on
+        CPU, kernel built. Fixed for the layer's life: computed once (it is asked
         twice per layer and step)."""
         ok = getattr(self, "_fused_ok", None)
         if ok is None:
             if not self.is_initialized:
                 return False
             c = self.cache
-            ok = self._fused_ok = (c.scheme.name == "int8" and c.gate.kind == "none" and not c.shadow
+            ok = self._fused_ok = (c.scheme.name in cpu_fused.FUSED_SCHEMES and c.gate.kind == "none" and not c.shadow
                                    and not c.value_bound and not c.box_form
                                    and self.dtype == torch.float32 and self.device.type == "cpu"
                                    and cpu_fused.available())

@@ -1,8 +1,8 @@
-// Fused CPU read of a compressed KV cache: logits from the int8 codes, softmax weights, the
+// Fused CPU read of a compressed KV cache: logits from the int8 or packed int4 codes, softmax weights, the
 // certificate sums and the output, two passes over the cache (K codes, then V codes and the
 // witness), no fp32 copy of the history. The floating-point argument is in
 // fast/core/cpu_fused.py (module doc); this file must match it line by line:
-//   logits  x = fl(fl(q . k~) * s), k~ = code * scale (exact in fp32), or the fp32 row; the dot product in
+//   logits  x = fl(fl(q . k~) * s), k~ = code * scale (exact in fp32; int4: code = nibble - 8), or the fp32 row; the dot product in
 //           8 fma lanes (lane l: d = l, l + 8, ...) and the tree ((a0+a1)+(a2+a3))+((a4+a5)+(a6+a7))
 //   weights w = kv_exp(fl(x - m))                                           (kv_exp: exhaustively checked)
 //   c       = fl(sum_b kappa_b rho_b)                                       (fp32, nonnegative terms)
@@ -140,8 +140,8 @@ inline float half_to_float(uint16_t h) {
 
 struct Seg {
     // One segment of the cache, one (b, kvh) block = base + b * sb + h * sh, tokens contiguous.
-    const void* k; int64_t k_sb, k_sh;      // int8 codes [.., N, D] or fp32 rows [.., N, D]
-    const uint16_t* ks; int64_t ks_sb, ks_sh;  // fp16 scales [.., N, ngk] (int8 only)
+    const void* k; int64_t k_sb, k_sh;      // int8 codes [.., N, D], packed int4 codes uint8 [.., N, D / 2] or fp32 rows [.., N, D]
+    const uint16_t* ks; int64_t ks_sb, ks_sh;  // fp16 scales [.., N, ngk] (codes only)
     const void* v; int64_t v_sb, v_sh;
     const uint16_t* vs; int64_t vs_sb, vs_sh;
     const void* rho; int64_t r_sb, r_sh;    // witness [.., N, NB]: uint8 log codes (lut) or fp32; null = exact (c = 0)
@@ -149,7 +149,7 @@ struct Seg {
     const uint8_t* exact; int64_t ex_sb, ex_sh;  // [.., N] (1 = held exactly: c = 0); null = none
     const int32_t* pos; int64_t p_sb, p_sh;      // [.., N] key positions; null = pos0 + j
     int64_t n;
-    int is_int8;
+    int coded;  // integer codes + fp16 scales (int8, or int4: see int4); else fp32 rows
     int rho_u8;
     // paged (bs > 0; fp32 rows, k / v / rho only): token j of sequence b lives in block table[b * tb_sb + j / bs]
     // at slot j % bs; the *_sb strides are then per block. k_t: keys stored transposed per block, [D, bs]
@@ -158,6 +158,9 @@ struct Seg {
     int64_t bs;
     int k_t;
     int bs_log2;  // log2(bs) when bs is a power of two (shifts instead of divisions), else -1
+    int int4;     // coded: packed 4-bit codes (fast.core.quant int4): uint8 [.., N, D / 2], channel d in byte d / 2, low
+                  // nibble = even channel, code = nibble - 8 in [-7, 7] (nibble 0 is no code quantize writes: read as NaN,
+                  // so the logit / output flag refuses it; the logit bound e takes |code| <= 7, as QTensor.max_abs)
 };
 
 // element offset of token j's row (length len) in an array of the segment with strides (sb, sh)
@@ -201,14 +204,14 @@ inline void block_flags(const Seg& sg, int64_t b, int64_t h, int64_t j, uint8_t*
     }
 }
 
-// Row jj of a segment's keys (values = false) or values, as fp32: code * scale (exact in fp32: 8-bit code,
+// Row jj of a segment's keys (values = false) or values, as fp32: code * scale (exact in fp32: 8- or 4-bit code,
 // 11-bit fp16 scale) written into buf, or a pointer to the fp32 row. smax (keys only, may be null):
 // per group max of the scales (codes: smax[g]) or per channel max of |k| (fp32 rows: smax[D + d]).
 inline const float* seg_row(const Seg& sg, bool values, int64_t b, int64_t h, int64_t jj, int64_t D, int64_t ng,
                             float* buf, float* smax) {
     const void* base = values ? sg.v : sg.k;
     const int64_t sb = values ? sg.v_sb : sg.k_sb, sh = values ? sg.v_sh : sg.k_sh;
-    if (!sg.is_int8) {
+    if (!sg.coded) {
         const float* r;
         if (!values && sg.k_t) {  // [D, bs] block: gather the row (exact copies)
             const float* kb = (const float*)base + (int64_t)sg.table[b * sg.tb_sb + jj / sg.bs] * sb + h * sh + jj % sg.bs;
@@ -221,9 +224,39 @@ inline const float* seg_row(const Seg& sg, bool values, int64_t b, int64_t h, in
             for (int64_t d = 0; d < D; ++d) smax[D + d] = std::max(smax[D + d], std::fabs(r[d]));
         return r;
     }
-    const int8_t* code = (const int8_t*)base + b * sb + h * sh + jj * D;
     const uint16_t* sc = values ? sg.vs + b * sg.vs_sb + h * sg.vs_sh + jj * ng : sg.ks + b * sg.ks_sb + h * sg.ks_sh + jj * ng;
     const int64_t gw = D / ng;
+    if (sg.int4) {
+        // packed 4-bit codes, two per byte: channel d is nibble d % 2 (0: low) of byte d / 2; k~ = (nibble - 8) * scale,
+        // exact in fp32 (4-bit code, 11-bit fp16 scale): fast.core.quant.dequantize's value, bit for bit
+        const uint8_t* code = (const uint8_t*)base + b * sb + h * sh + jj * (D / 2);
+        for (int64_t g = 0; g < ng; ++g) {
+            const float sv = half_to_float(sc[g]);
+            int64_t d = g * gw;
+#if KVCERT_AVX2
+            if (gw % 2 == 0) {  // d even: 8 channels are the 4 bytes from d / 2, nibble l of their word is channel d + l
+                const __m256 s8 = _mm256_set1_ps(sv);
+                const __m256i sh4 = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), m15 = _mm256_set1_epi32(15);
+                const __m256i eight = _mm256_set1_epi32(8), zero = _mm256_setzero_si256();
+                for (; d + 8 <= (g + 1) * gw; d += 8) {
+                    int32_t w;
+                    std::memcpy(&w, code + d / 2, 4);
+                    const __m256i nib = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), sh4), m15);
+                    const __m256 x = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(nib, eight)), s8);
+                    // nibble 0: all ones (a NaN), as the scalar line below
+                    _mm256_storeu_ps(buf + d, _mm256_or_ps(x, _mm256_castsi256_ps(_mm256_cmpeq_epi32(nib, zero))));
+                }
+            }
+#endif
+            for (; d < (g + 1) * gw; ++d) {
+                const int nib = (code[d >> 1] >> ((d & 1) * 4)) & 15;
+                buf[d] = nib ? (float)(nib - 8) * sv : NAN;
+            }
+            if (smax) smax[g] = std::max(smax[g], sv);
+        }
+        return buf;
+    }
+    const int8_t* code = (const int8_t*)base + b * sb + h * sh + jj * D;
     for (int64_t g = 0; g < ng; ++g) {
         const float sv = half_to_float(sc[g]);
         int64_t d = g * gw;
@@ -414,7 +447,7 @@ void run(const Args& a) {
         alignas(32) float kb[8 * 512];
         __m256 nanv = _mm256_setzero_ps();
         const __m256 sv8 = _mm256_set1_ps(a.s);
-        if (a.seg[0].k_t && a.seg[0].bs % 8 == 0 && !a.seg[0].is_int8) {
+        if (a.seg[0].k_t && a.seg[0].bs % 8 == 0 && !a.seg[0].coded) {
             // keys transposed per block ([D, bs], vLLM's CPU cache): 8 tokens of one block side by side in a
             // register (j0 and bs are multiples of 8), acc[l] is lane l of the scalar dot product (d = l, l + 8,
             // ... by fma in order) for the 8 tokens at once, and the scalar tree is vertical: the same bits
@@ -453,7 +486,7 @@ void run(const Args& a) {
             int64_t pj[8];
             const float* kp[8];  // kb + t D (codes) or the fp32 row itself
             for (int t = 0; t < 8; ++t)
-                kp[t] = seg_row(sg, false, b, h, j + t, D, sg.is_int8 ? a.ngk : 1, kb + t * D, sg.is_int8 ? gm : km);
+                kp[t] = seg_row(sg, false, b, h, j + t, D, sg.coded ? a.ngk : 1, kb + t * D, sg.coded ? gm : km);
             block_flags(sg, b, h, j, vj, pj);
             for (int64_t r = 0; r < R; ++r) {
                 const float* qq = &qr[r * D];
@@ -483,7 +516,7 @@ void run(const Args& a) {
             const bool quant = j < N0;
             const Seg& sg = a.seg[quant ? 0 : 1];
             const int64_t jj = quant ? j : j - N0;
-            const float* kr = seg_row(sg, false, b, h, jj, D, quant ? a.ngk : 1, kf, sg.is_int8 ? gm : km);
+            const float* kr = seg_row(sg, false, b, h, jj, D, quant ? a.ngk : 1, kf, sg.coded ? gm : km);
             const bool vj = !sg.valid || sg.valid[b * sg.va_sb + h * sg.va_sh + jj];
             const int64_t pj = tok_pos(sg, b, h, jj, quant ? 0 : N0);
             for (int64_t r = 0; r < R; ++r) {
@@ -741,11 +774,13 @@ void run(const Args& a) {
                 }
                 nan_out += bad;
                 // e >= |x^_j - s <q, k~_j>| (fast.core.certify.logit_rounding): s (D + 4) u32 1.01 sum_i |q_i| kmax_i,
-                // kmax_i = max(127 (1 + 2^-23) max scale, max |k| of fp32 rows), fp64, last product one ulp up
+                // kmax_i = max(cmax (1 + 2^-23) max scale, max |k| of fp32 rows), cmax = 127 (int8) or 7 (int4) the largest
+                // |code| (fast.core.quant.CODE_MAX, as QTensor.max_abs), fp64, last product one ulp up
                 const float* qq = a.q + ((b * T + t) * H + hq) * D;
+                const double cmax = a.seg[0].int4 ? 7.0 : 127.0;
                 double qk = 0.0;
                 for (int64_t d = 0; d < D; ++d) {
-                    const double kmx = std::max((double)km[d] * 127.0 * (1.0 + 0x1p-23), (double)km[D + d]);
+                    const double kmx = std::max((double)km[d] * cmax * (1.0 + 0x1p-23), (double)km[D + d]);
                     qk += std::fabs((double)qq[d]) * kmx;
                 }
                 double* st = a.stats + ((b * T + t) * H + hq) * 5;
