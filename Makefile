@@ -50,6 +50,9 @@ sanitize: install
 demo: install
 	$(PY) -m fast.tools.cli demo
 	$(PY) -m fast.integrations.vllm
+	# a faulty quantizer (stored keys x 0.1): without kvcert a wrong answer, nothing flagged; with it flagged, repaired
+	$(PY) -m fast.integrations.vllm --fault key_scale:0.1 --no-certify
+	$(PY) -m fast.integrations.vllm --fault key_scale:0.1
 
 # vLLM (CPU, eager) on SmolLM2 with vLLM's fp8 cast, a certificate for every read, the gate.
 demo-vllm: install

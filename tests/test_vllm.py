@@ -256,6 +256,21 @@ def test_vllm_gate_repairs_from_the_exact_store(tiny):
         assert (np.asarray(r["served"])[:, rep] == 0).all()
 
 
+def test_vllm_fault_is_flagged_and_repaired(tiny):
+    """property (issue 21's silent failure): keys stored times 0.1 after the cast (a wrong scale,
+    KVCERT_FAULT) are flagged by the certificate (bound before the gate near 1, never below the true
+    TV from the exact keys) and the gate serves the flagged heads exactly; mutation: the witness taken
+    before the fault would certify the faulty keys as fine and fail the first assertion."""
+    llm = _engine(tiny, codec="fp8_e4m3", shadow=True, gate="certified:0.2", fault="key_scale:0.1")
+    _generate(llm, n=8)
+    parts = collect(llm)
+    del llm
+    recs = [r for p in parts for r in p["records"]]
+    assert float(np.median(_cat(recs, "bound"))) > 0.5
+    assert not (_cat(recs, "true_tv") > _cat(recs, "served")).any()
+    assert sum(s["repairs"] for s in summaries(parts).values()) > 0
+
+
 @pytest.mark.parametrize("kw, msg", [
     ({"dtype": "bfloat16"}, "model dtype"),
     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8'"),
@@ -263,6 +278,7 @@ def test_vllm_gate_repairs_from_the_exact_store(tiny):
     ({"codec": "int3"}, "codec='int3': expected one of fp8_e4m3, fp8_e5m2, none"),
     ({"gate": "certified:2"}, "TAU must be in [0, 1]"),
     ({"gate": "certfied:0.2"}, "gate='certfied:0.2': unknown gate"),
+    ({"fault": "key_scale:-1"}, "fault='key_scale:-1': expected none or key_scale:F"),
     ({"records": -1}, "records='-1': expected an integer >= 0"),
 ])
 def test_vllm_bad_configuration_fails_at_startup(tiny, kw, msg):

@@ -33,6 +33,9 @@ Configuration (environment, read in every process; workers inherit it):
   KVCERT_BANDS=8           bands per head (math.md Bands; rotate_half pairs)
   KVCERT_RECORDS=0         per-read records a worker keeps (the oldest dropped first; make_llm: records=)
   KVCERT_MAX_SUMMARIES=1024 summaries of finished requests kept until handed back (the oldest dropped first)
+  KVCERT_FAULT             none (default) | key_scale:F: a faulty quantizer for demos and tests, the keys
+                           stored times F after the cast (a wrong or missing scale); the witness, measured
+                           against the exact key, sees it: certified, flagged, repaired by the gate
 Engine requirements (checked in vLLM's main process before any engine process starts: one line, exit
 status 1; make_llm: ValueError): dtype float32, kv_cache_dtype "auto", head size a multiple of
 2 * KVCERT_BANDS, the CPU backend, decoder self-attention. kvcert's side tensors are counted inside
@@ -73,7 +76,7 @@ EXTENSION = "fast.integrations.vllm.KVCertWorker"
 
 # every KVCERT_* variable the project reads (a misspelt name would otherwise be ignored without a word)
 KNOWN_ENV = ("KVCERT_VLLM", "KVCERT_CODEC", "KVCERT_GATE", "KVCERT_SHADOW", "KVCERT_CERTIFY", "KVCERT_TRACE_DIR",
-             "KVCERT_BANDS", "KVCERT_RECORDS", "KVCERT_MAX_SUMMARIES",
+             "KVCERT_BANDS", "KVCERT_RECORDS", "KVCERT_MAX_SUMMARIES", "KVCERT_FAULT",
              "KVCERT_BUILD_DIR", "KVCERT_CACHE", "KVCERT_SANITIZE", "KVCERT_SCALAR", "KVCERT_TRITON_CHILD")
 
 
@@ -103,7 +106,7 @@ class Config:
             return
         unknown = sorted(k for k in env if k.startswith("KVCERT_") and k not in KNOWN_ENV)
         if unknown:
-            raise ValueError(f"kvcert: unknown variable {unknown[0]} (known: {', '.join(KNOWN_ENV[:9])})")
+            raise ValueError(f"kvcert: unknown variable {unknown[0]} (known: {', '.join(KNOWN_ENV[:10])})")
         self.codec = env.get("KVCERT_CODEC", "fp8_e4m3")
         if self.codec not in CODECS:
             raise ValueError(f"kvcert: {name('KVCERT_CODEC')}={self.codec!r}: expected one of {', '.join(CODECS)}")
@@ -123,6 +126,7 @@ class Config:
         self.records = count("KVCERT_RECORDS", "0")
         # summaries of finished requests not yet handed back (generate()) a worker keeps, the oldest dropped first
         self.max_summaries = count("KVCERT_MAX_SUMMARIES", "1024", least=1)
+        self.fault = parse_fault(env.get("KVCERT_FAULT", "none"), name("KVCERT_FAULT"))
         if (self.gate.kind == "certified" or self.shadow) and not self.certify:
             raise ValueError("kvcert: the gate and shadow mode need certificates (KVCERT_CERTIFY=1)")
 
@@ -135,6 +139,20 @@ class Config:
         if not self.certify:
             return 0
         return 4 * self.bands + (2 * 4 * head_size if self.exact_store else 0)
+
+
+def parse_fault(text, name="KVCERT_FAULT"):
+    """None for "none", else the factor F of "key_scale:F" (finite, >= 0); ValueError: one line."""
+    if text == "none":
+        return None
+    kind, _, arg = text.partition(":")
+    try:
+        f = float(arg)
+    except ValueError:
+        f = math.nan
+    if kind != "key_scale" or not (math.isfinite(f) and f >= 0):
+        raise ValueError(f"kvcert: {name}={text!r}: expected none or key_scale:F with F a finite number >= 0")
+    return f
 
 
 def check_engine(cfg, *, dtype, kv_cache_dtype, head_size, attn_type="decoder"):
@@ -358,6 +376,8 @@ def _backend_classes():
                 kq, vq = _cast(key, codec), _cast(value, codec)
             else:
                 kq, vq = key, value
+            if self.cfg.fault is not None:  # KVCERT_FAULT: a faulty quantizer (demos, tests)
+                kq = kq * self.cfg.fault
             super().do_kv_cache_update(layer, kq, vq, kv_cache, slot_mapping)
             if not self.cfg.certify:
                 return
@@ -759,22 +779,22 @@ class KVCertWorker:
 
 
 def make_llm(model, *, codec="fp8_e4m3", gate="none", shadow=False, certify=True, trace_dir=None, bands=8,
-             records=100_000, max_summaries=1024, **kwargs):
+             records=100_000, max_summaries=1024, fault="none", **kwargs):
     """vllm.LLM with the plugin on (sets the KVCERT_* environment the workers inherit) after the
     start-up checks; bad configuration -> ValueError with one line, before any engine starts.
     records: per-read records each worker keeps for collect() (the oldest dropped first; 0: none);
     max_summaries: summaries of finished requests a worker keeps until handed back (generate() does).
     kvcert's side tensors are counted inside vLLM's KV-cache budget (kv_cache_memory_bytes, or what vLLM
-    finds free): vLLM's reported KV capacity is what is left for its cache."""
+    finds free): vLLM's reported KV capacity is what is left for its cache. fault: KVCERT_FAULT."""
     env = {ENV: "1", "KVCERT_CODEC": str(codec), "KVCERT_GATE": str(gate), "KVCERT_SHADOW": "1" if shadow else "0",
            "KVCERT_CERTIFY": "1" if certify else "0", "KVCERT_BANDS": str(bands), "KVCERT_RECORDS": str(records),
-           "KVCERT_MAX_SUMMARIES": str(max_summaries)}
+           "KVCERT_MAX_SUMMARIES": str(max_summaries), "KVCERT_FAULT": str(fault)}
     if trace_dir:
         env["KVCERT_TRACE_DIR"] = str(trace_dir)
     else:  # a trace_dir of an earlier make_llm in this process must not reach this engine's workers
         os.environ.pop("KVCERT_TRACE_DIR", None)
     names = {"KVCERT_CODEC": "codec", "KVCERT_GATE": "gate", "KVCERT_BANDS": "bands", "KVCERT_RECORDS": "records",
-             "KVCERT_MAX_SUMMARIES": "max_summaries"}
+             "KVCERT_MAX_SUMMARIES": "max_summaries", "KVCERT_FAULT": "fault"}
     cfg = Config({**{k: v for k, v in os.environ.items() if k.startswith("KVCERT_")}, **env}, names=names)
     backend = kwargs.get("attention_backend")
     if backend not in (None, "CPU_ATTN"):
@@ -887,10 +907,14 @@ def main(argv=None):
     p.add_argument("--gate", default="certified:0.2")
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--trace-dir", default=None)
+    p.add_argument("--fault", default="none", help="none | key_scale:F: inject a faulty quantizer (KVCERT_FAULT)")
+    p.add_argument("--no-certify", action="store_true", help="the same engine and codec without kvcert's meter")
     args = p.parse_args(argv)
+    gate = "none" if args.no_certify else args.gate
     try:
-        llm = make_llm(str(smollm2_dir()), codec=args.codec, gate=args.gate, enforce_eager=True, max_model_len=2048,
-                       kv_cache_memory_bytes=256 << 20, trace_dir=args.trace_dir)
+        llm = make_llm(str(smollm2_dir()), codec=args.codec, gate=gate, enforce_eager=True, max_model_len=2048,
+                       kv_cache_memory_bytes=256 << 20, trace_dir=args.trace_dir, fault=args.fault,
+                       certify=not args.no_certify)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -900,10 +924,13 @@ def main(argv=None):
     out = generate(llm, [text], SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
     for o in out:
         s = o.kvcert or {}
-        print(f"answer: {o.outputs[0].text!r}")
+        print(f"answer: {o.outputs[0].text!r}" + (f" (stored keys faulty: {args.fault})" if args.fault != "none" else ""))
+        if args.no_certify:
+            print(f"request {o.request_id}: served without certificates: nothing can flag the fault")
+            continue
         print(f"request {o.request_id}: {s.get('reads', 0)} certified (row, layer, head) reads; bound as served: max "
               f"{s.get('max_bound', math.nan):.4f}, mean {s.get('mean_bound', math.nan):.5f}; before the gate: max "
-              f"{s.get('max_pre_gate', math.nan):.4f}; gate {args.gate}: {s.get('repairs', 0)} (layer, KV head) repairs")
+              f"{s.get('max_pre_gate', math.nan):.4f}; gate {gate}: {s.get('repairs', 0)} (layer, KV head) repairs")
     return 0
 
 
