@@ -5,7 +5,6 @@ the 4-bit and 2-bit dithered codecs.
 Caveat (spec A2): these bounds hold for queries (and keys) that do not depend on the dither; the
 statistical tests draw q before the dither, independently of it.
 """
-import itertools
 import math
 from fractions import Fraction
 
@@ -15,6 +14,7 @@ from hypothesis import strategies as st
 from mpmath import exp, mpf, workdps
 
 from conformance._check import DPS, expect, le, replay
+from conformance.test_dither_grid import failure_rate
 from reference.dither import (GRID_N, bcode_error_mean, bcode_error_mgf, bcode_errors, code_range,
                               dither_radius_grid, dither_sigma, grid_errors, in_code_range)
 
@@ -125,13 +125,7 @@ def check_bcode_token_failure_exact(case):
     lo, hi = code_range(case["signed"], case["b"])
     ys = [lo + Fraction(t) * (hi - lo) for t in case["ts"]]
     c = dither_radius_grid(q, delta, case["s"], n, d, eta=0, N=N)
-    errs = [bcode_errors(y, case["signed"], case["b"], N) for y in ys]
-    bad = 0
-    for idx in itertools.product(range(N), repeat=len(q)):
-        eps = sum(mpf(case["s"]) * mpf(qi) * mpf(di) * mpf(e[i].numerator) / e[i].denominator
-                  for qi, di, e, i in zip(q, delta, errs, idx))
-        bad += abs(eps) > c
-    p = mpf(bad) / N ** len(q)
+    p = failure_rate(q, delta, case["s"], [bcode_errors(y, case["signed"], case["b"], N) for y in ys], c, N)
     expect(le(p, mpf(d) / n), check_bcode_token_failure_exact, case, f"P = {p} > d/n = {mpf(d) / n}")
 
 

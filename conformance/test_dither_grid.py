@@ -123,6 +123,17 @@ def test_code_dither_is_the_grid():
         assert grid_u(int(i2 // 2)) == Fraction(v)
 
 
+def failure_rate(q, delta, s, errs, c, N):
+    """P(|s sum_i q_i delta_i e_i| > c), exactly: every dither value of every coordinate, errs[i][t]
+    the error of coordinate i at dither value t of N (Fractions)."""
+    bad = 0
+    for idx in itertools.product(range(N), repeat=len(q)):
+        eps = sum(mpf(s) * mpf(qi) * mpf(di) * mpf(e[i].numerator) / e[i].denominator
+                  for qi, di, e, i in zip(q, delta, errs, idx))
+        bad += abs(eps) > c
+    return mpf(bad) / N ** len(q)
+
+
 @workdps(DPS)
 def check_token_failure_exact(case):
     """P(|eps| > c) <= d/n, the probability computed EXACTLY by enumerating the N^D outcomes of a
@@ -130,13 +141,7 @@ def check_token_failure_exact(case):
     K, q, delta, ys, n, d = case["K"], case["q"], case["delta"], case["ys"], case["n"], case["d"]
     N = 2 ** K
     c = dither_radius_grid(q, delta, case["s"], n, d, eta=0, N=N)
-    errs = [grid_errors(Fraction(y), N) for y in ys]
-    bad = 0
-    for idx in itertools.product(range(N), repeat=len(q)):
-        eps = sum(mpf(case["s"]) * mpf(qi) * mpf(di) * mpf(e[i].numerator) / e[i].denominator
-                  for qi, di, e, i in zip(q, delta, errs, idx))
-        bad += abs(eps) > c
-    p = mpf(bad) / N ** len(q)
+    p = failure_rate(q, delta, case["s"], [grid_errors(Fraction(y), N) for y in ys], c, N)
     expect(le(p, mpf(d) / n), check_token_failure_exact, case, f"P = {p} > d/n = {mpf(d) / n}")
 
 
