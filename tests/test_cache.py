@@ -144,7 +144,9 @@ def test_sinks_and_window_are_exact(model):
     gen(model, tiny_ids(1, 40), cache, n=4)
     layer = cache.layers[0]
     _, exact = layer.witness_view()
-    assert bool(exact[..., :4].all()) and bool(exact[..., -8:].all()) and not bool(exact[..., 4:-8].any())
+    quantized = layer.n - layer.k_tail.shape[2]  # the fused read flushes in blocks: its tail may exceed the window
+    assert layer.k_tail.shape[2] >= 8 and quantized > 4
+    assert bool(exact[..., :4].all()) and bool(exact[..., quantized:].all()) and not bool(exact[..., 4:quantized].any())
 
 
 def test_keep_tokens_shrinks_storage(model):
