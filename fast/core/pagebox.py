@@ -196,7 +196,7 @@ def page_upper(q, witness, scale):
     return a.reshape(B, H, -1)
 
 
-def _log_sum(counts, a):
+def log_sum_upper(counts, a):
     """An upper bound on log sum_p n_p exp(a_p) over the last axis (-inf when all n_p = 0).
 
     counts: fp64 [..., P] (exact integers); a: fp64 [..., P]. Same error budget as
@@ -235,7 +235,7 @@ def pagebox_log_odds(q, witness, log_z_kept_lower, scale, *, super_size=None, re
     rep = H // max(1, Hkv)
     n = witness.counts.double().repeat_interleave(rep, 1)                   # [B, H, P], exact
     if super_size is None:
-        log_x = _log_sum(n, page_upper(q, witness, scale))
+        log_x = log_sum_upper(n, page_upper(q, witness, scale))
         boxes = float(P)
     else:
         sup = witness.super_pages(super_size)
@@ -252,11 +252,17 @@ def pagebox_log_odds(q, witness, log_z_kept_lower, scale, *, super_size=None, re
         fine_page = fine.repeat_interleave(super_size, -1)[..., :P]
         n_page = torch.where(fine_page, n, torch.zeros_like(n))
         n_coarse = torch.where(fine, torch.zeros_like(n_sup), n_sup)
-        log_x = _log_sum(torch.cat([n_page, n_coarse], -1), torch.cat([a_page, a_sup], -1))
+        log_x = log_sum_upper(torch.cat([n_page, n_coarse], -1), torch.cat([a_page, a_sup], -1))
         boxes = float((S + fine.double().sum(-1) * super_size).mean())
     if stats is not None:
         stats["boxes"] = stats.get("boxes", 0.0) + boxes
         stats["pages"] = P
+    return log_odds_of(log_x, log_z_kept_lower)
+
+
+def log_odds_of(log_x, log_z_kept_lower):
+    """An upper bound on log(X/L) from upper log_x >= log X and lower log_z_kept_lower <= log Z_K,
+    fp64 (-inf where log_x = -inf: nothing unread or evicted)."""
     lzk = log_z_kept_lower.double()
     d = log_x - lzk + REL * (1 + log_x.abs() + lzk.abs())                  # the subtraction errs by u |.|
     return torch.where(torch.isfinite(log_x), d, torch.full_like(d, -float("inf")))

@@ -1,0 +1,241 @@
+"""Certified sparse read of a long cache (issue 22 item 4): read pages by their box bound, stop
+once the unread pages cannot carry more than tau of the attention (math.md T7i-T7k).
+
+The full cache stays in memory. At prefill (`build_sparse_index`) the keys of each KV head are
+cut into pages of `page_size` consecutive tokens and each full page keeps the elementwise box
+of its keys (fast.core.pagebox; fp32 keys give exact fp32 boxes); `extend_sparse_index` adds
+the pages filled since. On a decode read (`sparse_read`) with query q:
+
+    U_p = s sum_c max(q_c lo_c, q_c hi_c) >= every logit of page p          (T7i, T7m; page_upper)
+    the last partial page and a recent window of >= `window` tokens are always read exactly;
+    the other pages are read in chunks (doubling) in decreasing order of U_p (per KV head: the
+    max over its query heads), keeping the logits of what was read, until
+        X / (Z_K + X) <= tau for every (b, h),  X = sum_{unread p} n_p exp(U_p) >= Z_E  (T7j)
+    or everything was read. One page count m is shared by all (b, KV head); each KV head reads
+    its own top-m pages (the query heads of a KV head share its read set).
+
+A sparse read is eviction of the unread pages for this one read, so the certificate is the
+page box certificate of eviction (T7k): TV(p, p^K) = p(E) <= X / (L + X), with p the exact
+attention distribution over the whole cache and p^K the exact distribution over the read
+tokens K. L <= Z_K comes from the fp32 logits the read served, x^_j >= x_j - e with e of
+fast.core.certify.logit_rounding (T8e), as Z_K >= sum_K e^{x^_j - e} (T7f); every fp64 step
+carries the REL margin of fast.core.evict (A9). The stopping rule only steers which pages are
+read; the certificate is recomputed, rounded up, for the set actually read.
+
+Also reported (T5a with exact values, e_j = 0): ||o - o^K|| <= TV(p, p^K) diam{v_j} <=
+TV 2 max_j ||v_j|| for the exact-arithmetic outputs o (whole cache) and o^K (read set); the fp32
+rounding of the served output over the read set is not in it, nor in the TV certificate.
+
+Precondition: the indexed pages' keys do not change after indexing (an append-only cache);
+they are checked finite when indexed, the window's keys on every read.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fast.core.certify import logit_rounding
+from fast.core.evict import REL, _check_finite, log_sum_exp_lower, tv_from_log_odds
+from fast.core.pagebox import PageBoxWitness, build_page_box_witness, log_odds_of, log_sum_upper, page_upper
+
+
+@dataclass
+class SparseIndex:
+    """Page boxes of the first P full pages of one layer's cache.
+
+    boxes: PageBoxWitness, counts [B, Hkv, P] (all page_size), lo / hi [B, Hkv, P, D] fp32;
+    kmax [B, Hkv, D] fp64 >= |k_jc| over the indexed tokens; vmax [B, Hkv] fp64 >= ||v_j||
+    over the indexed tokens."""
+    boxes: PageBoxWitness
+    kmax: torch.Tensor
+    vmax: torch.Tensor
+    page_size: int
+
+    @property
+    def pages(self):
+        return self.boxes.lo.shape[2]
+
+    @property
+    def nbytes(self):
+        return self.boxes.nbytes + self.kmax.numel() * 8 + self.vmax.numel() * 8
+
+
+@dataclass
+class SparseRead:
+    """out [B, H, D] fp32: softmax attention over the read tokens; tv [B, H] fp64 >= TV(p, p^K);
+    out_err [B, H] fp64 >= ||o - o^K|| (T5a); tokens [B, Hkv, R] the read tokens;
+    pages_read / pages: candidate pages read / candidate pages (outside the exact window)."""
+    out: torch.Tensor
+    tv: torch.Tensor
+    out_err: torch.Tensor
+    tokens: torch.Tensor
+    pages_read: int
+    pages: int
+
+
+def _check_cache(keys, values):
+    for name, t in (("keys", keys), ("values", values)):
+        if not torch.is_tensor(t) or t.dim() != 4 or t.dtype != torch.float32:
+            raise ValueError(f"{name} must be a float32 tensor [B, Hkv, N, D]")
+    if values.shape != keys.shape:
+        raise ValueError(f"values {tuple(values.shape)} must have the keys' shape {tuple(keys.shape)}")
+    return keys.shape
+
+
+def _norm_up(v):
+    """fp64 >= max_j ||v_j|| over axis -2 of v [..., N, D] (an N-term fp64 sum: REL covers it)."""
+    if v.shape[-2] == 0:
+        return torch.zeros(v.shape[:-2], dtype=torch.float64, device=v.device)
+    return v.double().pow(2).sum(-1).sqrt().amax(-1) * (1 + REL)
+
+
+def _pages_of(keys, values, start, stop, page_size):
+    """(boxes, kmax, vmax) of the full pages [start, stop) of keys / values [B, Hkv, N, D]."""
+    B, Hkv, N, D = keys.shape
+    k = keys[:, :, start * page_size:stop * page_size]
+    v = values[:, :, start * page_size:stop * page_size]
+    _check_finite("keys", k)
+    _check_finite("values", v)
+    n = (stop - start) * page_size
+    idx = torch.arange(n, device=keys.device).expand(B, Hkv, n).contiguous()
+    boxes = build_page_box_witness(k, idx, page_size=page_size, fmt="fp32")   # fp32 keys: exact boxes
+    if stop == start:                                                       # the builder keeps one empty page
+        boxes = PageBoxWitness(boxes.counts[:, :, :0], boxes.lo[:, :, :0], boxes.hi[:, :, :0])
+    return boxes, k.abs().amax(2).double() if n else torch.zeros(B, Hkv, D, dtype=torch.float64), _norm_up(v)
+
+
+def build_sparse_index(keys, values, *, page_size=16):
+    """The SparseIndex of every full page of keys / values [B, Hkv, N, D] fp32 (post-RoPE, as cached)."""
+    B, Hkv, N, D = _check_cache(keys, values)
+    if not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+    boxes, kmax, vmax = _pages_of(keys, values, 0, N // page_size, page_size)
+    return SparseIndex(boxes, kmax, vmax, page_size)
+
+
+def extend_sparse_index(index, keys, values):
+    """The index with the pages of keys / values [B, Hkv, N, D] filled since it was built."""
+    B, Hkv, N, D = _check_cache(keys, values)
+    ps, P = index.page_size, index.pages
+    if index.boxes.lo.shape[:2] != (B, Hkv) or index.kmax.shape != (B, Hkv, D) or N < P * ps:
+        raise ValueError(f"the cache {tuple(keys.shape)} does not extend the index ({P} pages of {ps})")
+    if N // ps == P:
+        return index
+    boxes, kmax, vmax = _pages_of(keys, values, P, N // ps, ps)
+    return SparseIndex(index.boxes.cat(boxes), torch.maximum(index.kmax, kmax), torch.maximum(index.vmax, vmax), ps)
+
+
+def _check_read(q, keys, values, index, scale, window):
+    _check_finite("q", q)
+    if q.dim() != 3 or q.dtype != torch.float32:
+        raise ValueError(f"q must be a float32 tensor [B, H, D], got {tuple(q.shape)} {q.dtype}")
+    B, Hkv, N, D = _check_cache(keys, values)
+    H = q.shape[1]
+    if q.shape[0] != B or q.shape[2] != D or H % Hkv:
+        raise ValueError(f"q {tuple(q.shape)} does not fit the cache {tuple(keys.shape)} (H a multiple of Hkv)")
+    if N == 0:
+        raise ValueError("empty cache (N = 0)")
+    if index.boxes.lo.shape[:2] != (B, Hkv) or index.boxes.lo.shape[3] != D or index.pages * index.page_size > N:
+        raise ValueError(f"the index ({index.pages} pages of {index.page_size}) does not fit the cache {tuple(keys.shape)}")
+    s = float(scale)
+    if not (s > 0 and s < float("inf")) or abs(s) < 2.0 ** -126:
+        raise ValueError(f"scale must be a positive finite normal number, got {scale}")
+    if not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be an int >= 0, got {window!r}")
+    if torch.get_float32_matmul_precision() != "highest" or (q.is_cuda and torch.backends.cuda.matmul.allow_tf32):
+        raise ValueError("sparse_read needs full fp32 matmuls (the logit error bound assumes them)")
+    cand = min(index.pages, max(0, N - max(window, 1)) // index.page_size)  # by box order; >= 1 token exact
+    return B, H, Hkv, N, D, s, cand
+
+
+def _gather(t, tok):
+    """t [B, Hkv, N, D], tok [B, Hkv, R] -> [B, Hkv, R, D]."""
+    return t.gather(2, tok[..., None].expand(-1, -1, -1, t.shape[3]))
+
+
+def sparse_read(q, keys, values, index, scale, tau, *, window=64, first_chunk=8):
+    """Certified sparse decode read (module doc). q: [B, H, D] fp32 post-RoPE; keys / values:
+    [B, Hkv, N, D] fp32, the full cache; index: SparseIndex of it; scale s > 0; tau in (0, 1]:
+    stop once every head's certificate is <= tau (tau = 1: read only the window)."""
+    B, H, Hkv, N, D, s, cand = _check_read(q, keys, values, index, scale, window)
+    if not (0 < float(tau) <= 1):
+        raise ValueError(f"tau must lie in (0, 1], got {tau}")
+    if not isinstance(first_chunk, int) or first_chunk < 1:
+        raise ValueError(f"first_chunk must be an int >= 1, got {first_chunk!r}")
+    ps, rep = index.page_size, H // Hkv
+    s32 = torch.tensor(s, dtype=torch.float32)
+    qg = q.view(B, Hkv, rep, D)                                             # the query heads of each KV head
+    kw, vw = keys[:, :, cand * ps:], values[:, :, cand * ps:]               # the exact window
+    _check_finite("keys", kw)
+    _check_finite("values", vw)
+    xs = [torch.matmul(qg, kw.transpose(-1, -2)) * s32]                     # [B, Hkv, rep, Nw] fp32: T8e's x^
+    toks = [torch.arange(cand * ps, N, device=q.device).expand(B, Hkv, -1)]
+    kmax = torch.maximum(index.kmax, kw.abs().amax(2).double())             # >= |k| over every readable token
+    e = logit_rounding(q, kmax, s)                                          # [B, H] fp64: |x^ - x| <= e
+    boxes = PageBoxWitness(index.boxes.counts[:, :, :cand], index.boxes.lo[:, :, :cand], index.boxes.hi[:, :, :cand])
+    m = 0
+    if cand:
+        a = page_upper(q, boxes, s).view(B, Hkv, rep, cand)                 # fp64 >= U_p
+        order = (a.amax(2)).argsort(-1, descending=True)                    # [B, Hkv, P]: by U_p per KV head
+        a_sorted = a.gather(-1, order[:, :, None].expand(-1, -1, rep, -1))
+        # steering only: log X of the unread after reading the first m pages (m = 0..P), and log Z_K
+        t = a_sorted + math.log(ps)
+        tail = torch.cat([t.flip(-1).logcumsumexp(-1).flip(-1), torch.full_like(t[..., :1], -math.inf)], -1)
+        lz = xs[0].double().logsumexp(-1) if xs[0].shape[-1] else torch.full_like(t[..., 0], -math.inf)
+        thr = math.log(tau) - math.log1p(-tau) if tau < 1 else math.inf
+        slack = 2 * e.view(B, Hkv, rep) + 1e-6                              # keeps the rigorous value <= tau
+
+        def done(log_x, log_z):
+            return log_x - log_z + slack.unsqueeze(-1) <= thr                # broadcast over candidate m
+
+        ar = torch.arange(ps, device=q.device)
+        c = first_chunk
+        while m < cand and not bool(done(tail[..., m:m + 1], lz[..., None]).all()):
+            c = min(c, cand - m)
+            tok = (order[..., m:m + c, None] * ps + ar).reshape(B, Hkv, c * ps)
+            x = torch.matmul(qg, _gather(keys, tok).transpose(-1, -2)) * s32        # [B, Hkv, rep, c ps]
+            cum = torch.logaddexp(lz[..., None], x.double().view(B, Hkv, rep, c, ps).logsumexp(-1).logcumsumexp(-1))
+            ok = done(tail[..., m + 1:m + c + 1], cum).flatten(0, 2).all(0)        # [c]: pages m+1 .. m+c
+            if bool(ok.any()):
+                c = int(ok.nonzero()[0]) + 1
+                x, tok = x[..., :c * ps], tok[..., :c * ps]
+            xs.append(x)
+            toks.append(tok)
+            lz = cum[..., c - 1]
+            m += c
+            c *= 2
+    x = torch.cat(xs, -1)                                                   # [B, Hkv, rep, R]
+    tok = torch.cat(toks, -1)                                               # [B, Hkv, R]
+    v = torch.cat([vw] + ([_gather(values, tok[..., vw.shape[2]:])] if m else []), 2)
+    out = torch.matmul(torch.softmax(x, -1), v).view(B, H, D)
+    # the certificate of the set actually read
+    lzk = log_sum_exp_lower(x.double().view(B, H, -1) - e[..., None] * (1 + REL))   # <= log Z_K (T7f, T8e)
+    if m < cand:
+        unread = a_sorted[..., m:].reshape(B, H, cand - m)
+        log_x = log_sum_upper(torch.full_like(unread, float(ps)), unread)   # >= log Z_E (T7j)
+    else:
+        log_x = torch.full((B, H), -math.inf, dtype=torch.float64, device=q.device)
+    tv = tv_from_log_odds(log_odds_of(log_x, lzk)).double()                 # >= TV(p, p^K) (T7k)
+    vmax = torch.maximum(index.vmax, _norm_up(vw)).repeat_interleave(rep, 1)
+    out_err = tv * (2 * vmax) * (1 + REL)                                   # T5a: diam{v_j} <= 2 max ||v_j||
+    return SparseRead(out, tv, out_err, tok, m, cand)
+
+
+def topk_page_read(q, keys, values, index, scale, k, *, window=64):
+    """Quest-style baseline, no certificate: the exact window plus, per KV head, the k pages of
+    largest fp32 U_p (max over its query heads); softmax attention over them, out [B, H, D] fp32."""
+    B, H, Hkv, N, D, s, cand = _check_read(q, keys, values, index, scale, window)
+    ps, rep = index.page_size, H // Hkv
+    s32 = torch.tensor(s, dtype=torch.float32)
+    qg = q.view(B, Hkv, rep, D)
+    kw, vw = keys[:, :, cand * ps:], values[:, :, cand * ps:]
+    k = max(0, min(int(k), cand))
+    if k:
+        lo, hi = index.boxes.lo[:, :, :cand], index.boxes.hi[:, :, :cand]
+        u = torch.matmul(qg.clamp(min=0), hi.transpose(-1, -2)) + torch.matmul(qg.clamp(max=0), lo.transpose(-1, -2))
+        sel = u.amax(2).topk(k, -1).indices                                 # [B, Hkv, k]
+        tok = (sel[..., None] * ps + torch.arange(ps, device=q.device)).reshape(B, Hkv, k * ps)
+        kw, vw = torch.cat([kw, _gather(keys, tok)], 2), torch.cat([vw, _gather(values, tok)], 2)
+    x = torch.matmul(qg, kw.transpose(-1, -2)) * s32
+    return torch.matmul(torch.softmax(x, -1), vw).view(B, H, D)
