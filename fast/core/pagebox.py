@@ -179,19 +179,27 @@ def page_upper(q, witness, scale):
         raise ValueError(f"H={H} is not a multiple of Hkv={Hkv}")
     if not (float(scale) > 0 and float(scale) < float("inf")):
         raise ValueError(f"scale must be a positive finite number, got {scale}")
-    s = float(scale)
+    return box_upper(q, witness, float(scale))
+
+
+def box_upper(q, witness, s):
+    """page_upper without its checks, for callers whose witness was checked when built
+    (fast.core.sparse): q [B, H, D] finite, s > 0 finite, H a multiple of Hkv."""
+    B, H, D = q.shape
+    Hkv = witness.lo.shape[1]
     q64 = q.double().view(B, Hkv, H // Hkv, D)                              # the query heads of each KV head
     qp, qm = q64.clamp(min=0), q64.clamp(max=0)
     lo, hi = witness.lo.double(), witness.hi.double()                       # exact
-    dot = torch.einsum("bkrd,bkpd->bkrp", qp, hi) + torch.einsum("bkrd,bkpd->bkrp", qm, lo)
-    absdot = torch.einsum("bkrd,bkpd->bkrp", qp, hi.abs()) - torch.einsum("bkrd,bkpd->bkrp", qm, lo.abs())
+    dot = torch.matmul(qp, hi.transpose(-1, -2)) + torch.matmul(qm, lo.transpose(-1, -2))
+    absdot = torch.matmul(qp, hi.abs().transpose(-1, -2)) - torch.matmul(qm, lo.abs().transpose(-1, -2))
     rad = torch.zeros_like(dot)
     if witness.widen is not None:
         qn = _band_norms_up(q64, witness.bands)                             # [B, Hkv, rep, NB]
         rad = torch.einsum("bkrn,bkpn->bkrp", qn, witness.widen.double())
     # every product is exact (fp32 x fp16/fp32 in fp64); dot is a sum of <= 2D <= 8192 terms, rad of
-    # NB terms: error <= gamma_n (sum of |terms|) <= REL/8 (absdot + rad); the two additions of
-    # the einsums, the addition of rad and the product by s add relative u each: REL covers all.
+    # NB terms: error <= gamma_n (sum of |terms|) <= REL/8 (absdot + rad) in any summation order;
+    # the two additions of the matmuls, the addition of rad and the product by s add relative u
+    # each: REL covers all.
     a = s * (dot + rad) + s * REL * (absdot + rad)
     return a.reshape(B, H, -1)
 

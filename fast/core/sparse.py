@@ -37,7 +37,9 @@ import torch
 
 from fast.core.certify import logit_rounding
 from fast.core.evict import REL, _check_finite, log_sum_exp_lower, tv_from_log_odds
-from fast.core.pagebox import PageBoxWitness, build_page_box_witness, log_odds_of, log_sum_upper, page_upper
+from fast.core.pagebox import PageBoxWitness, box_upper, build_page_box_witness, log_odds_of, log_sum_upper
+
+DENSE_FRACTION = 8  # past 1/8 of the pages a read scores every page in place instead of copying pages
 
 
 @dataclass
@@ -149,9 +151,13 @@ def _check_read(q, keys, values, index, scale, window):
     return B, H, Hkv, N, D, s, cand
 
 
-def _gather(t, tok):
-    """t [B, Hkv, N, D], tok [B, Hkv, R] -> [B, Hkv, R, D]."""
-    return t.gather(2, tok[..., None].expand(-1, -1, -1, t.shape[3]))
+def _pages(t, sel, ps):
+    """t [B, Hkv, N, D], sel [B, Hkv, c] page numbers -> the pages' rows [B, Hkv, c ps, D] (row copies)."""
+    B, Hkv, N, D = t.shape
+    c = sel.shape[2]
+    flat = t[:, :, :N // ps * ps].reshape(B * Hkv, N // ps, ps * D)       # a view for a contiguous cache
+    rows = torch.arange(B * Hkv, device=t.device)[:, None]
+    return flat[rows, sel.reshape(B * Hkv, c)].view(B, Hkv, c * ps, D)
 
 
 def sparse_read(q, keys, values, index, scale, tau, *, window=64, first_chunk=8):
@@ -170,13 +176,13 @@ def sparse_read(q, keys, values, index, scale, tau, *, window=64, first_chunk=8)
     _check_finite("keys", kw)
     _check_finite("values", vw)
     xs = [torch.matmul(qg, kw.transpose(-1, -2)) * s32]                     # [B, Hkv, rep, Nw] fp32: T8e's x^
-    toks = [torch.arange(cand * ps, N, device=q.device).expand(B, Hkv, -1)]
+    sels = []
     kmax = torch.maximum(index.kmax, kw.abs().amax(2).double())             # >= |k| over every readable token
     e = logit_rounding(q, kmax, s)                                          # [B, H] fp64: |x^ - x| <= e
     boxes = PageBoxWitness(index.boxes.counts[:, :, :cand], index.boxes.lo[:, :, :cand], index.boxes.hi[:, :, :cand])
-    m = 0
+    m, parts, dense = 0, [(xs[0], vw)], None                                # parts: (logits, values) read
     if cand:
-        a = page_upper(q, boxes, s).view(B, Hkv, rep, cand)                 # fp64 >= U_p
+        a = box_upper(q, boxes, s).view(B, Hkv, rep, cand)                  # fp64 >= U_p (checked when indexed)
         order = (a.amax(2)).argsort(-1, descending=True)                    # [B, Hkv, P]: by U_p per KV head
         a_sorted = a.gather(-1, order[:, :, None].expand(-1, -1, rep, -1))
         # steering only: log X of the unread after reading the first m pages (m = 0..P), and log Z_K
@@ -186,29 +192,49 @@ def sparse_read(q, keys, values, index, scale, tau, *, window=64, first_chunk=8)
         thr = math.log(tau) - math.log1p(-tau) if tau < 1 else math.inf
         slack = 2 * e.view(B, Hkv, rep) + 1e-6                              # keeps the rigorous value <= tau
 
-        def done(log_x, log_z):
-            return log_x - log_z + slack.unsqueeze(-1) <= thr                # broadcast over candidate m
+        def first_done(lz, plse, m):
+            """pages read (from m) at which every head stops, given the next pages' logsumexps plse."""
+            cum = torch.logaddexp(lz[..., None], plse.logcumsumexp(-1))      # log Z_K after pages m+1, m+2, ...
+            ok = (tail[..., m + 1:m + 1 + plse.shape[-1]] - cum + slack[..., None] <= thr).flatten(0, 2).all(0)
+            return (int(ok.nonzero()[0]) + 1 if bool(ok.any()) else plse.shape[-1]), cum
 
-        ar = torch.arange(ps, device=q.device)
         c = first_chunk
-        while m < cand and not bool(done(tail[..., m:m + 1], lz[..., None]).all()):
+        while m < cand and not bool((tail[..., m] - lz + slack <= thr).all()):
+            if m + c > cand // DENSE_FRACTION:
+                # past 1/DENSE_FRACTION of the pages: score all of them in place (a matmul over the cache, no
+                # copy) and mask the unread ones, rather than copy pages
+                kc = keys[:, :, :cand * ps]
+                xc = torch.matmul(qg, kc.transpose(-1, -2)) * s32           # [B, Hkv, rep, cand ps]
+                plse = xc.double().view(B, Hkv, rep, cand, ps).logsumexp(-1).gather(-1, order[:, :, None].expand(-1, -1, rep, -1))
+                j, _ = first_done(lz, plse[..., m:], m)
+                m += j
+                read = torch.zeros(B, Hkv, cand, dtype=torch.bool, device=q.device)
+                read.scatter_(2, order[..., :m], True)
+                dense = read
+                xc = xc.masked_fill(~read.repeat_interleave(ps, -1)[:, :, None], -math.inf)
+                parts = [parts[0], (xc, values[:, :, :cand * ps])]            # the chunks are inside xc
+                break
             c = min(c, cand - m)
-            tok = (order[..., m:m + c, None] * ps + ar).reshape(B, Hkv, c * ps)
-            x = torch.matmul(qg, _gather(keys, tok).transpose(-1, -2)) * s32        # [B, Hkv, rep, c ps]
-            cum = torch.logaddexp(lz[..., None], x.double().view(B, Hkv, rep, c, ps).logsumexp(-1).logcumsumexp(-1))
-            ok = done(tail[..., m + 1:m + c + 1], cum).flatten(0, 2).all(0)        # [c]: pages m+1 .. m+c
-            if bool(ok.any()):
-                c = int(ok.nonzero()[0]) + 1
-                x, tok = x[..., :c * ps], tok[..., :c * ps]
-            xs.append(x)
-            toks.append(tok)
-            lz = cum[..., c - 1]
-            m += c
+            sel = order[..., m:m + c]                                       # [B, Hkv, c] pages
+            x = torch.matmul(qg, _pages(keys, sel, ps).transpose(-1, -2)) * s32     # [B, Hkv, rep, c ps]
+            j, cum = first_done(lz, x.double().view(B, Hkv, rep, c, ps).logsumexp(-1), m)
+            parts.append((x[..., :j * ps], sel[..., :j]))                  # values fetched once, at the end
+            lz = cum[..., j - 1]
+            m += j
             c *= 2
-    x = torch.cat(xs, -1)                                                   # [B, Hkv, rep, R]
-    tok = torch.cat(toks, -1)                                               # [B, Hkv, R]
-    v = torch.cat([vw] + ([_gather(values, tok[..., vw.shape[2]:])] if m else []), 2)
-    out = torch.matmul(torch.softmax(x, -1), v).view(B, H, D)
+    if dense is None:
+        sel = torch.cat([p[1] for p in parts[1:]], -1) if m else torch.zeros(B, Hkv, 0, dtype=torch.long, device=q.device)
+        parts = [parts[0]] + ([(torch.cat([p[0] for p in parts[1:]], -1), _pages(values, sel, ps))] if m else [])
+    else:
+        sel = order[..., :m]
+    tok = torch.cat([torch.arange(cand * ps, N, device=q.device).expand(B, Hkv, -1),
+                     (sel[..., None] * ps + torch.arange(ps, device=q.device)).reshape(B, Hkv, -1)], -1)   # [B, Hkv, R]
+    # out = sum over parts of e^{x - M} v / sum e^{x - M}: softmax over the read tokens, values in place
+    mx = torch.stack([p[0].amax(-1) for p in parts if p[0].shape[-1]], -1).amax(-1, keepdim=True)
+    w = [(p[0] - mx).exp() for p in parts]
+    num = sum(torch.matmul(wi, p[1]) for wi, p in zip(w, parts))
+    out = (num / sum(wi.sum(-1, keepdim=True) for wi in w)).view(B, H, D)
+    x = torch.cat([p[0] for p in parts], -1)                                # [B, Hkv, rep, R] (-inf: not read)
     # the certificate of the set actually read
     lzk = log_sum_exp_lower(x.double().view(B, H, -1) - e[..., None] * (1 + REL))   # <= log Z_K (T7f, T8e)
     if m < cand:
@@ -235,7 +261,6 @@ def topk_page_read(q, keys, values, index, scale, k, *, window=64):
         lo, hi = index.boxes.lo[:, :, :cand], index.boxes.hi[:, :, :cand]
         u = torch.matmul(qg.clamp(min=0), hi.transpose(-1, -2)) + torch.matmul(qg.clamp(max=0), lo.transpose(-1, -2))
         sel = u.amax(2).topk(k, -1).indices                                 # [B, Hkv, k]
-        tok = (sel[..., None] * ps + torch.arange(ps, device=q.device)).reshape(B, Hkv, k * ps)
-        kw, vw = torch.cat([kw, _gather(keys, tok)], 2), torch.cat([vw, _gather(values, tok)], 2)
+        kw, vw = torch.cat([kw, _pages(keys, sel, ps)], 2), torch.cat([vw, _pages(values, sel, ps)], 2)
     x = torch.matmul(qg, kw.transpose(-1, -2)) * s32
     return torch.matmul(torch.softmax(x, -1), vw).view(B, H, D)
