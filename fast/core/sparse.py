@@ -100,11 +100,13 @@ def _pages_of(keys, values, start, stop, page_size):
     _check_finite("keys", k)
     _check_finite("values", v)
     n = (stop - start) * page_size
+    if n == 0:
+        empty = torch.zeros(B, Hkv, 0, D, dtype=torch.float32, device=keys.device)
+        return (PageBoxWitness(torch.zeros(B, Hkv, 0, dtype=torch.int32, device=keys.device), empty, empty.clone()),
+                torch.zeros(B, Hkv, D, dtype=torch.float64, device=keys.device), _norm_up(v))
     idx = torch.arange(n, device=keys.device).expand(B, Hkv, n).contiguous()
     boxes = build_page_box_witness(k, idx, page_size=page_size, fmt="fp32")   # fp32 keys: exact boxes
-    if stop == start:                                                       # the builder keeps one empty page
-        boxes = PageBoxWitness(boxes.counts[:, :, :0], boxes.lo[:, :, :0], boxes.hi[:, :, :0])
-    return boxes, k.abs().amax(2).double() if n else torch.zeros(B, Hkv, D, dtype=torch.float64), _norm_up(v)
+    return boxes, k.abs().amax(2).double(), _norm_up(v)
 
 
 def build_sparse_index(keys, values, *, page_size=16):
