@@ -21,16 +21,13 @@ from reference.evict import attention_over, evict_tv, sparse_read_bound
 # The fast certificate uses L = logsumexp(x^) - e from the fp32 logits (e ~ (D + 4) 2^-24 s sum|q| kmax)
 # and REL = 1e-9 margins, then one fp32 rounding up: fast <= ref e^{2e + 1e-6} (1 + 2^-22) here.
 LOOSE_REL, LOOSE_ABS = mpf("1e-3"), mpf("1e-30")
-F32 = st.floats(-3, 3, width=32)
 
 
 @st.composite
 def cases(draw):
-    Hkv = draw(st.sampled_from([1, 2]))
-    H = Hkv * draw(st.sampled_from([1, 2]))
-    D = 2 * draw(st.integers(1, 3))
-    N = draw(st.integers(2, 20))
-    vec = st.lists(F32, min_size=D, max_size=D)
+    Hkv, rep, half, N = draw(st.tuples(st.sampled_from([1, 2]), st.sampled_from([1, 2]), st.integers(1, 3), st.integers(2, 20)))
+    H, D = Hkv * rep, 2 * half
+    vec = st.lists(st.floats(-3, 3, width=32), min_size=D, max_size=D)
     return {"H": H, "Hkv": Hkv, "D": D, "page_size": draw(st.integers(1, 4)), "window": draw(st.sampled_from([0, 1, 3])),
             "keys": draw(st.lists(st.lists(vec, min_size=N, max_size=N), min_size=Hkv, max_size=Hkv)),
             "values": draw(st.lists(st.lists(vec, min_size=N, max_size=N), min_size=Hkv, max_size=Hkv)),
