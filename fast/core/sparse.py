@@ -237,6 +237,8 @@ def sparse_read(q, keys, values, index, scale, tau, *, window=64, first_chunk=8)
     num = sum(torch.matmul(wi, p[1]) for wi, p in zip(w, parts))
     out = (num / sum(wi.sum(-1, keepdim=True) for wi in w)).view(B, H, D)
     x = torch.cat([p[0] for p in parts], -1)                                # [B, Hkv, rep, R] (-inf: not read)
+    if bool(torch.isnan(x).any() or torch.isposinf(x).any()):
+        raise ValueError("sparse_read: the fp32 logits overflow (query or keys too large)")
     # the certificate of the set actually read
     lzk = log_sum_exp_lower(x.double().view(B, H, -1) - e[..., None] * (1 + REL))   # <= log Z_K (T7f, T8e)
     if m < cand:
