@@ -1,6 +1,6 @@
 """Certified sparse read vs the full read vs a Quest-style top-k page read (issue 22 item 4).
 
-    OMP_NUM_THREADS=1 nice -n 10 /work/main/.venv/bin/python -m benchmarks.sparse_read -> results/sparse_read.json
+    OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python -m benchmarks.sparse_read -> results/sparse_read.json
 
 One layer's decode read at the SmolLM2-135M shape (H=9, Hkv=3, D=64, fp32, batch 1) on REAL
 keys, values and queries: a natural-haystack RULER prompt (benchmarks.ruler, passkey task) of
@@ -236,8 +236,8 @@ def main(argv=None):
               f"(x{c['speedup_vs_full']['topk']:.2f}), pages read {c['pages_read_fraction']['mean']:.3f}, "
               f"max cert TV {c['tv_cert']['1.0']:.4f}, max true TV {c['tv_true']['1.0']:.4f}, "
               f"topk max true TV {c['topk_tv_true']['1.0']:.4f}", flush=True)
-    data = {"command": "OMP_NUM_THREADS=1 nice -n 10 /work/main/.venv/bin/python -m benchmarks.sparse_read "
-                       + shlex.join(argv if argv is not None else sys.argv[1:]),
+    data = {"command": ("OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python -m benchmarks.sparse_read "
+                        + shlex.join(argv if argv is not None else sys.argv[1:])).strip(),
             "machine": machine(), "model": "SmolLM2-135M-Instruct (shipped)",
             "keys": f"real: layer {args.layer}, natural-haystack passkey prompt, queries of the last {args.reads} tokens",
             "settings": {k: getattr(args, k) for k in ("ns", "reads", "layer", "tau", "page_size", "window", "rounds", "threads")},
