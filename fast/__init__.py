@@ -17,6 +17,7 @@ from fast.core.dither import dither_sigma, dither_radius, budget_local
 from fast.core.attention import attention_rows, decode_attention
 from fast.core.schemes import Scheme, SchemeError, get_scheme, register_scheme, scheme_names, unregister_scheme
 from fast.core.evict import GroupWitness, build_group_witness, compose_tv, evict_bound, evict_log_odds, log_z_kept_lower
+from fast.core.sparse import SparseIndex, SparseRead, build_sparse_index, extend_sparse_index, sparse_read
 from fast.policies.gate import Gate, parse_gate
 
 # --- integrations and policies: imported on first use (they import transformers) ---

@@ -177,3 +177,37 @@ def page_box_bound(q, pages, log_z_kept_lower, scale, bands=None):
         upper += n_p * exp(u)
     lower = exp(mpf(log_z_kept_lower))
     return upper / (lower + upper)
+
+
+@workdps(DPS)
+def sparse_read_bound(q, keys, read, page_size, scale):
+    """The exact page box certificate of one sparse read (spec T7i-T7k; fast.core.sparse): X / (Z_K + X)
+    with Z_K the exact kept mass of the read tokens and X = sum over the unread pages of
+    n_p exp(U_p), U_p of the exact box of the page's keys. keys: every token's key (one KV head);
+    read: the indices read (non-empty); the unread tokens form whole pages of page_size."""
+    s = mpf(scale)
+    keep = set(read)
+    logits = [s * fsum(mpf(a) * mpf(b) for a, b in zip(q, k)) for k in keys]
+    z_kept = fsum(exp(logits[j]) for j in keep)
+    pages = []
+    for a in range(0, len(keys), page_size):
+        members = [j for j in range(a, min(a + page_size, len(keys))) if j not in keep]
+        if members and len(members) != page_size:
+            raise ValueError(f"sparse_read_bound: page at {a} is partly read")
+        if members:
+            n_p, lo, hi = page_box([keys[j] for j in members])
+            pages.append((n_p, lo, hi, None))
+    if not pages:
+        return mpf(0)
+    return page_box_bound(q, pages, log(z_kept), s)
+
+
+@workdps(DPS)
+def attention_over(q, keys, values, read, scale):
+    """The exact softmax attention output over the tokens `read` (one query head)."""
+    s = mpf(scale)
+    logits = {j: s * fsum(mpf(a) * mpf(b) for a, b in zip(q, keys[j])) for j in read}
+    top = max(logits.values())
+    w = {j: exp(x - top) for j, x in logits.items()}
+    z = fsum(w.values())
+    return [fsum(w[j] * mpf(values[j][c]) for j in read) / z for c in range(len(values[0]))]

@@ -263,3 +263,29 @@ def test_kivi2_dither_rejects_bad_layout_and_range():
         get_scheme("kivi2_dither").encode_v(torch.randn(1, 2, 4, 30), 0, 0, 0)
     with pytest.raises(ValueError, match="group_size"):
         fast.quantize(torch.randn(1, 2, 4, 30), "int4_dither", group_size=4, seed=0)
+
+
+@pytest.mark.parametrize("bad", [NAN, INF, -INF])
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_sparse_read_rejects_non_finite(where, bad):
+    """NaN / Inf in the query, or in the cache when indexed or read: ValueError, never a certificate."""
+    q, k, v, _ = inputs(N=40)
+    index = fast.build_sparse_index(k, v, page_size=4)
+    args = {"q": q, "k": k, "v": v}
+    args[where] = poisoned(args[where], bad, (args[where].numel() - 3,))     # in the newest token: the window
+    with pytest.raises(ValueError):
+        fast.sparse_read(args["q"], args["k"], args["v"], index, 0.2, 0.05)
+    if where != "q":
+        with pytest.raises(ValueError):
+            fast.build_sparse_index(poisoned(args[where], bad, (7,)), v if where == "k" else k)
+
+
+def test_sparse_read_rejects_overflowing_logits_and_bad_tau():
+    q, k, v, _ = inputs(N=40)
+    index = fast.build_sparse_index(k * 1e37, v, page_size=4)
+    with pytest.raises(ValueError):
+        fast.sparse_read(q * 1e3, k * 1e37, v, index, 0.2, 0.05)
+    index = fast.build_sparse_index(k, v, page_size=4)
+    for tau in (0.0, -0.1, 1.01, NAN, INF):
+        with pytest.raises(ValueError):
+            fast.sparse_read(q, k, v, index, 0.2, tau)

@@ -293,6 +293,12 @@ def log_z_kept_lower(q, keys, scale, *, valid=None, c=None):
         v = valid if valid.dim() == 3 else valid[:, None, :].expand(B, Hkv, N)
         v = v.repeat_interleave(H // Hkv, 1)
         x = torch.where(v, x, torch.full_like(x, -float("inf")))
+    return log_sum_exp_lower(x)
+
+
+def log_sum_exp_lower(x):
+    """A lower bound on log sum_j e^{x_j} over the last axis of fp64 logits x [..., N] (-inf = not a
+    term), fp64 [...]; ValueError when a row has no finite term. Error budget of evict_bound."""
     m = x.amax(-1, keepdim=True)
     if not torch.isfinite(m).all():
         raise ValueError("every row needs at least one kept (valid) token")

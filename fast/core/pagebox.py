@@ -179,24 +179,32 @@ def page_upper(q, witness, scale):
         raise ValueError(f"H={H} is not a multiple of Hkv={Hkv}")
     if not (float(scale) > 0 and float(scale) < float("inf")):
         raise ValueError(f"scale must be a positive finite number, got {scale}")
-    s = float(scale)
+    return box_upper(q, witness, float(scale))
+
+
+def box_upper(q, witness, s):
+    """page_upper without its checks, for callers whose witness was checked when built
+    (fast.core.sparse): q [B, H, D] finite, s > 0 finite, H a multiple of Hkv."""
+    B, H, D = q.shape
+    Hkv = witness.lo.shape[1]
     q64 = q.double().view(B, Hkv, H // Hkv, D)                              # the query heads of each KV head
     qp, qm = q64.clamp(min=0), q64.clamp(max=0)
     lo, hi = witness.lo.double(), witness.hi.double()                       # exact
-    dot = torch.einsum("bkrd,bkpd->bkrp", qp, hi) + torch.einsum("bkrd,bkpd->bkrp", qm, lo)
-    absdot = torch.einsum("bkrd,bkpd->bkrp", qp, hi.abs()) - torch.einsum("bkrd,bkpd->bkrp", qm, lo.abs())
+    dot = torch.matmul(qp, hi.transpose(-1, -2)) + torch.matmul(qm, lo.transpose(-1, -2))
+    absdot = torch.matmul(qp, hi.abs().transpose(-1, -2)) - torch.matmul(qm, lo.abs().transpose(-1, -2))
     rad = torch.zeros_like(dot)
     if witness.widen is not None:
         qn = _band_norms_up(q64, witness.bands)                             # [B, Hkv, rep, NB]
         rad = torch.einsum("bkrn,bkpn->bkrp", qn, witness.widen.double())
     # every product is exact (fp32 x fp16/fp32 in fp64); dot is a sum of <= 2D <= 8192 terms, rad of
-    # NB terms: error <= gamma_n (sum of |terms|) <= REL/8 (absdot + rad); the two additions of
-    # the einsums, the addition of rad and the product by s add relative u each: REL covers all.
+    # NB terms: error <= gamma_n (sum of |terms|) <= REL/8 (absdot + rad) in any summation order;
+    # the two additions of the matmuls, the addition of rad and the product by s add relative u
+    # each: REL covers all.
     a = s * (dot + rad) + s * REL * (absdot + rad)
     return a.reshape(B, H, -1)
 
 
-def _log_sum(counts, a):
+def log_sum_upper(counts, a):
     """An upper bound on log sum_p n_p exp(a_p) over the last axis (-inf when all n_p = 0).
 
     counts: fp64 [..., P] (exact integers); a: fp64 [..., P]. Same error budget as
@@ -235,7 +243,7 @@ def pagebox_log_odds(q, witness, log_z_kept_lower, scale, *, super_size=None, re
     rep = H // max(1, Hkv)
     n = witness.counts.double().repeat_interleave(rep, 1)                   # [B, H, P], exact
     if super_size is None:
-        log_x = _log_sum(n, page_upper(q, witness, scale))
+        log_x = log_sum_upper(n, page_upper(q, witness, scale))
         boxes = float(P)
     else:
         sup = witness.super_pages(super_size)
@@ -252,11 +260,17 @@ def pagebox_log_odds(q, witness, log_z_kept_lower, scale, *, super_size=None, re
         fine_page = fine.repeat_interleave(super_size, -1)[..., :P]
         n_page = torch.where(fine_page, n, torch.zeros_like(n))
         n_coarse = torch.where(fine, torch.zeros_like(n_sup), n_sup)
-        log_x = _log_sum(torch.cat([n_page, n_coarse], -1), torch.cat([a_page, a_sup], -1))
+        log_x = log_sum_upper(torch.cat([n_page, n_coarse], -1), torch.cat([a_page, a_sup], -1))
         boxes = float((S + fine.double().sum(-1) * super_size).mean())
     if stats is not None:
         stats["boxes"] = stats.get("boxes", 0.0) + boxes
         stats["pages"] = P
+    return log_odds_of(log_x, log_z_kept_lower)
+
+
+def log_odds_of(log_x, log_z_kept_lower):
+    """An upper bound on log(X/L) from upper log_x >= log X and lower log_z_kept_lower <= log Z_K,
+    fp64 (-inf where log_x = -inf: nothing unread or evicted)."""
     lzk = log_z_kept_lower.double()
     d = log_x - lzk + REL * (1 + log_x.abs() + lzk.abs())                  # the subtraction errs by u |.|
     return torch.where(torch.isfinite(log_x), d, torch.full_like(d, -float("inf")))
