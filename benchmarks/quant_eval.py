@@ -98,9 +98,12 @@ def run_input(model, tok, ex, args):
         for gate in args.gates:
             set_current(None)
             shadow = gate == "none"
-            spec, _, opt = gate.partition("/")  # "ladder:0.2/box": the gate with box_form=True
+            spec, *opts = gate.split("/")  # "ladder:0.2/box/keys": box_form=True, ladder_values=False
+            bad = set(opts) - {"box", "keys"}
+            if bad:
+                raise SystemExit(f"gate {gate!r}: unknown option(s) {sorted(bad)} (use /box, /keys)")
             cache = CertifiedCache(model.config, scheme_for(scheme, model.config), gate=spec, shadow=shadow, seed=ex["seed"],
-                                   box_form=opt == "box")
+                                   box_form="box" in opts, **({"ladder_values": False} if "keys" in opts else {}))
             cache.fill_from(shared)
             if gate.startswith("risk"):
                 apply_risk_from_queries(cache, col)
@@ -261,7 +264,8 @@ def main(argv=None):
     ap.add_argument("--schemes", default="all", help="comma list, or all (every registered scheme); prerope4 / "
                     "prerope8: the pre-RoPE scheme (fast.core.prerope) at that key width")
     ap.add_argument("--gates", default="none,certified:0.2,risk:9", help="comma list of gates (none, certified:TAU, "
-                    "ladder:TAU, risk:K); a /box suffix certifies reads that would trip the gate with the box form too")
+                    "ladder:TAU, risk:K); a /box suffix certifies reads that would trip the gate with the box form too; /keys (ladder only): "
+                    "the rungs refine the keys only, values stay at the scheme")
     ap.add_argument("--cert-steps", type=int, default=3)
     ap.add_argument("--seed0", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)

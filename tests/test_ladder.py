@@ -137,8 +137,9 @@ def test_promoted_heads_serve_their_rung_of_the_exact_keys(model):
 
 
 def test_rung_bytes_are_the_next_rungs_bytes(model):
-    """Promoting a head adds that head's int8 codes, scales and witness to the device bytes, and
-    the exact rung frees the rung below (counted at 2 bytes per exact value with exact_itemsize=2)."""
+    """Promoting a head adds that head's int8 codes and scales to the device bytes (its witness is
+    written over its slice of the stored witness: no second witness), and the exact rung frees the
+    rung below (counted at 2 bytes per exact value with exact_itemsize=2)."""
     cache = CertifiedCache(model.config, "int4", gate="ladder:1", sinks=0, window=0, rungs=("int8",))
     gen(model, tiny_ids(1, 40, seed=13), cache, n=1)
     layer = cache.layers[0]
@@ -148,11 +149,40 @@ def test_rung_bytes_are_the_next_rungs_bytes(model):
     nq = layer.nq
     q8 = quantize(layer.exact_k[:, :1, :nq].contiguous(), "int8")
     assert len(st["k"]) == 1 and st["k"][0].nbytes == q8.codes.nbytes + q8.scales.nbytes
-    assert layer.device_bytes(exact_itemsize=2) - before == st["k"][0].nbytes + st["v"][0].nbytes + st["rho"].nbytes
+    assert st["rho"] is None and layer.device_bytes(exact_itemsize=2) - before == st["k"][0].nbytes + st["v"][0].nbytes
     layer.promote([0])  # int8 -> exact: the int8 rung is freed, the head's exact values counted
     assert 0 not in layer.up and bool(layer.repaired[0])
     assert layer.device_bytes(exact_itemsize=2) - before == 2 * 2 * nq * layer.D
     assert cache.heads_per_rung() == [3, 0, 1]
+
+
+def test_keys_only_rungs_refine_the_keys_and_keep_the_values(model):
+    """ladder_values=False: a promoted head serves int4(k) + int4(k - int4(k)) of the captured exact
+    keys and still int4(v) of the captured exact values; the promotion adds the key rung and the
+    witness only; the top rung serves exact keys and values; other gates refuse the option."""
+    with pytest.raises(ValueError, match="ladder_values=False applies"):
+        CertifiedCache(model.config, "int4", gate="certified:0.2", ladder_values=False)
+    ids = tiny_ids(1, 48, seed=16)
+    cache = CertifiedCache(model.config, "int4", gate="ladder:1", sinks=0, window=0, ladder_values=False)
+    seen = captured(cache)
+    out = gen(model, ids, cache, n=2)
+    layer = cache.layers[1]
+    before = layer.device_bytes(exact_itemsize=2)
+    layer.promote([1])
+    st_ = layer.up[1]
+    assert st_["v"] == [] and layer.device_bytes(exact_itemsize=2) - before == st_["k"][0].nbytes
+    with torch.no_grad():  # a token written after the promotion: its key is refined, its value not
+        model(input_ids=out[:, -1:], past_key_values=cache, use_cache=True)
+    k_exact, v_exact = seen[1]
+    k, v = layer.served()
+    nq = layer.nq
+    assert torch.equal(k[:, 1:2, :nq], refined(k_exact[:, 1:2, :nq], "int4", ["int4"]))
+    assert torch.equal(v[:, :, :nq], dequantize(quantize(v_exact[:, :, :nq].contiguous(), "int4")))
+    layer.promote([1, 1])  # one rung per call: int8
+    assert int(layer.rung[1]) == 2 and len(layer.up[1]["k"]) == 2 and layer.up[1]["v"] == []
+    layer.promote([1])  # exact
+    k, v = layer.served()
+    assert bool(layer.repaired[1]) and torch.equal(k[:, 1], k_exact[:, 1]) and torch.equal(v[:, 1], v_exact[:, 1])
 
 
 def test_ladder_follows_eviction(model):
@@ -168,7 +198,9 @@ def test_ladder_follows_eviction(model):
     k, _ = layer.served()
     k_exact = seen[1][0][:, :, :n].gather(2, index[..., None].expand(-1, -1, -1, 32))
     assert torch.equal(k[:, :1], refined(k_exact[:, :1], "int4", ["int8"]))
-    assert layer.up[0]["rho"].shape[2] == index.shape[2]
+    assert layer.rho_codes.shape[2] == index.shape[2]
+    own = pack_witness(witness(k_exact[:, :1].float(), k[:, :1].float(), cache.bands))
+    assert torch.equal(layer.witness_codes()[0][:, :1, :index.shape[2]], own)  # the rung's witness, kept aligned
 
 
 def test_box_form_certifies_the_reads_that_would_trip_the_gate(model):
@@ -197,8 +229,9 @@ def test_box_form_certifies_the_reads_that_would_trip_the_gate(model):
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2 ** 31 - 1), log_scale=st.floats(-3, 2), outlier=st.floats(1, 100),  # |k| < fp16 max
-       scheme=st.sampled_from(["kivi2", "int4", "fp8_e4m3", "fp8_e5m2"]), steps=st.integers(1, 3))
-def test_every_rung_is_sound_against_exact_keys_adversarially(seed, log_scale, outlier, scheme, steps):
+       scheme=st.sampled_from(["kivi2", "int4", "fp8_e4m3", "fp8_e5m2"]), steps=st.integers(1, 3),
+       values=st.booleans(), derived=st.booleans())
+def test_every_rung_is_sound_against_exact_keys_adversarially(seed, log_scale, outlier, scheme, steps, values, derived):
     """Property: written straight into the cache (no model), keys with outlier channels, each head
     promoted 0..top rungs: for random queries and for queries aligned with the served error of one
     token (the worst direction for that token), TV between softmax over the exact keys (the test's
@@ -206,7 +239,8 @@ def test_every_rung_is_sound_against_exact_keys_adversarially(seed, log_scale, o
     from transformers import LlamaConfig
     g = torch.Generator().manual_seed(seed)
     cfg = LlamaConfig(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, hidden_size=128, head_dim=32)
-    cache = CertifiedCache(cfg, scheme, gate="ladder:0.5", sinks=0, window=0, certify=False)
+    cache = CertifiedCache(cfg, scheme, gate="ladder:0.5", sinks=0, window=0, certify=False, ladder_values=values,
+                           derived=derived)  # derived: the rungs keep their own witness (no stored one to overwrite)
     layer = cache.layers[0]
     n = 64
     k = torch.randn(1, 2, n, 32, generator=g) * 10 ** log_scale

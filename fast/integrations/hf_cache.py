@@ -44,6 +44,10 @@ class CertifiedCache(Cache):
     per band and token, tighter and cheaper to read);
     rungs: gate ladder:TAU only, the schemes above `scheme`, lowest first (default LADDERS[scheme]; per
     token, no dither: RUNG_CODECS); exact keys are the top rung;
+    ladder_values: gate ladder:TAU only; False: the rungs below the top refine the keys only, the
+    values stay at `scheme` (the certificate bounds the attention weights, which depend on the
+    keys alone; the values' error is T5's value bound, value_bound=True); the top rung serves
+    exact keys and values as before;
     box_form: decode reads whose certificate would trip the gate (every decode read without a
     threshold gate) are certified again with the box form too (spec T9, fast.core.box; torch path);
     backend: "auto" (default) reads through the fused C++ kernel (fast.integrations.hf_fused) wherever
@@ -53,7 +57,7 @@ class CertifiedCache(Cache):
 
     def __init__(self, config, scheme="int8", *, gate="none", sinks=4, window=32, shadow=False,
                  seed=None, delta_req=1e-3, offload="full", derived=False, nbands=NB, certify=True, value_bound=False,
-                 rungs=None, box_form=False, backend="auto"):
+                 rungs=None, ladder_values=True, box_form=False, backend="auto"):
         self.config = config   # the model's config: its attention implementation must be the meter (check_meter)
         self.scheme = get_scheme(scheme)
         self.gate = parse_gate(gate)
@@ -80,6 +84,9 @@ class CertifiedCache(Cache):
             if bad:
                 raise ValueError(f"rungs {bad}: a rung is one of {', '.join(RUNG_CODECS)} (per token, no dither)")
         self.rung_schemes = [get_scheme(r) for r in self.rungs]
+        if not ladder_values and self.gate.kind != "ladder":
+            raise ValueError(f"ladder_values=False applies to gate ladder:TAU, not {self.gate}")
+        self.ladder_values = bool(ladder_values)
         self.box_form = bool(box_form)
         if backend not in ("auto", "torch"):
             raise ValueError(f"backend must be 'auto' (the fused C++ read where it applies) or 'torch', got {backend!r}")

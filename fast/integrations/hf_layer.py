@@ -31,7 +31,7 @@ def _take(t, index):
 
 def _up_bytes(st):
     """Bytes of one promoted head's rungs: residual codes and scales, witness (and value witness)."""
-    return (sum(x.nbytes for x in st["k"] + st["v"]) + st["rho"].nbytes
+    return (sum(x.nbytes for x in st["k"] + st["v"]) + (0 if st["rho"] is None else st["rho"].nbytes)
             + (0 if st["v_err"] is None else st["v_err"].nbytes))
 
 
@@ -66,7 +66,8 @@ class CertifiedLayer(CacheLayerMixin):
         self.v_err = self.res_v_err = None  # [B, Hkv, nq] fp32 >= ||v - v~|| (value_bound=True; res_: after a residual repair)
         self.repaired = None   # [Hkv] bool: served exact (the top rung)
         self.rung = None       # [Hkv] long: 0 = the cache's scheme, r = cache.rungs[r - 1], len(rungs) + 1 = exact
-        self.up = {}           # KV head -> {"k", "v": [Stored of rungs 1..r], "rho": witness codes of the sum, "v_err"}
+        self.up = {}           # KV head -> {"k", "v": [Stored of rungs 1..r], "rho": witness codes of the sum
+                               #   (None: written over the head's slice of rho_codes, see _rung_rho), "v_err"}
         self.risk = None       # [Hkv] risk score from the last prefill query (risk gate)
         self.steps = 0         # decode reads certified so far
         self.served_k = self.served_v = None
@@ -209,9 +210,10 @@ class CertifiedLayer(CacheLayerMixin):
             sl = slice(h, h + 1)
             new = self._refine(h, self.nq, self.nq + m, k_hat[:, sl], v_hat[:, sl], int(self.rung[h]))
             self.traffic += _up_bytes(new)
+            rho = self._rung_rho(h, self.nq, self.nq + m, new["rho"])
             self.up[h] = {"k": [a.cat(b) for a, b in zip(st["k"], new["k"])],
                           "v": [a.cat(b) for a, b in zip(st["v"], new["v"])],
-                          "rho": torch.cat([st["rho"], new["rho"]], dim=2),
+                          "rho": None if rho is None else torch.cat([st["rho"], rho], dim=2),
                           "v_err": None if new["v_err"] is None else torch.cat([st["v_err"], new["v_err"]], dim=2)}
         self.nq += m
 
@@ -225,14 +227,25 @@ class CertifiedLayer(CacheLayerMixin):
         for i in range(first, rungs):
             scheme = self.cache.rung_schemes[i]
             rk = scheme.encode_k((k.float() - k_hat.float()).contiguous(), self.layer_idx, lo, self.cache.seed)
-            rv = scheme.encode_v((v.float() - v_hat.float()).contiguous(), self.layer_idx, lo, self.cache.seed)
             k_hat = k_hat + rk.decode().to(self.dtype)
-            v_hat = v_hat + rv.decode().to(self.dtype)
             ks.append(rk)
-            vs.append(rv)
+            if self.cache.ladder_values:  # else the values stay at the cache's scheme (ladder_values=False)
+                rv = scheme.encode_v((v.float() - v_hat.float()).contiguous(), self.layer_idx, lo, self.cache.seed)
+                v_hat = v_hat + rv.decode().to(self.dtype)
+                vs.append(rv)
         rho = pack_witness(witness(k.float(), k_hat.float(), self.cache.bands))
         v_err = value_error_norms(v, v_hat) if self.cache.value_bound else None
         return {"k": ks, "v": vs, "rho": rho, "v_err": v_err}
+
+    def _rung_rho(self, h, lo, hi, codes):
+        """Where a promoted head's witness codes of tokens [lo, hi) live: written over the head's slice
+        of the stored witness (its own codes are never read again: the head serves the refined keys
+        until it moves up, when the witness is measured again from the exact copy), so a rung costs no
+        second witness; returned (kept in self.up) when the witness is derived from the scales."""
+        if self.rho_codes is None:
+            return codes
+        self.rho_codes[:, h:h + 1, lo:hi] = codes
+        return None
 
     # ---- reading ----
     def _decode_into(self, stored, out):
@@ -267,8 +280,9 @@ class CertifiedLayer(CacheLayerMixin):
                 k[:, rep, :nq] += self.res_k.decode()[:, rep].to(self.dtype)
                 v[:, rep, :nq] += self.res_v.decode()[:, rep].to(self.dtype)
             for h, st in self.up.items():  # promoted heads: the scheme's codes plus their rungs' refinements
-                for rk, rv in zip(st["k"], st["v"]):
+                for rk in st["k"]:
                     k[:, h:h + 1, :nq] += rk.decode().to(self.dtype)
+                for rv in st["v"]:  # [] with ladder_values=False
                     v[:, h:h + 1, :nq] += rv.decode().to(self.dtype)
         k[:, :, nq:] = self.k_tail
         v[:, :, nq:] = self.v_tail
@@ -316,8 +330,9 @@ class CertifiedLayer(CacheLayerMixin):
                 rho[:, rep, :self.nq] = self.res_rho[:, rep]
             else:
                 rho[:, rep, :self.nq] = unpack_witness(self.res_rho[:, rep])
-        for h, st in self.up.items():  # promoted heads: the witness of their refined keys
-            rho[:, h:h + 1, :self.nq] = st["rho"] if rho.dtype == torch.uint8 else unpack_witness(st["rho"])
+        for h, st in self.up.items():  # promoted heads: the witness of their refined keys (in rho_codes if None)
+            if st["rho"] is not None:
+                rho[:, h:h + 1, :self.nq] = st["rho"] if rho.dtype == torch.uint8 else unpack_witness(st["rho"])
         return rho, self.exact_mask()
 
     def value_err_view(self):
@@ -365,6 +380,7 @@ class CertifiedLayer(CacheLayerMixin):
         """The gate's repair of KV heads `heads`: ladder:TAU moves each one rung up (the next rung's
         refinement of its tokens from the exact copy, the witness measured again), the top rung and
         certified:TAU serve exact keys."""
+        heads = sorted({int(h) for h in heads})  # one rung per head and call
         top = [h for h in heads if self.cache.gate.kind != "ladder" or int(self.rung[h]) >= len(self.cache.rungs)]
         for h in heads:
             if h not in top and not self.repaired[h]:
@@ -373,7 +389,8 @@ class CertifiedLayer(CacheLayerMixin):
                 sl = slice(h, h + 1)
                 new = self._refine(h, 0, self.nq, k[:, sl, :self.nq], v[:, sl, :self.nq], r + 1, first=r)
                 st = self.up.get(h, {"k": [], "v": []})
-                self.up[h] = {"k": st["k"] + new["k"], "v": st["v"] + new["v"], "rho": new["rho"], "v_err": new["v_err"]}
+                self.up[h] = {"k": st["k"] + new["k"], "v": st["v"] + new["v"],
+                              "rho": self._rung_rho(h, 0, self.nq, new["rho"]), "v_err": new["v_err"]}
                 self.rung[h] = r + 1
                 self.traffic += sum(x.nbytes for x in new["k"] + new["v"]) + new["rho"].nbytes
         self.repair(top)  # also refreshes served_k / served_v
@@ -419,7 +436,8 @@ class CertifiedLayer(CacheLayerMixin):
             self._set("v_err", _take(self.v_err, index))
         for h, st in self.up.items():
             ih = index[:, h:h + 1]
-            self.up[h] = {"k": [x.take(ih) for x in st["k"]], "v": [x.take(ih) for x in st["v"]], "rho": _take(st["rho"], ih),
+            self.up[h] = {"k": [x.take(ih) for x in st["k"]], "v": [x.take(ih) for x in st["v"]],
+                          "rho": None if st["rho"] is None else _take(st["rho"], ih),
                           "v_err": None if st["v_err"] is None else _take(st["v_err"], ih)}
         if self.exact_k is not None:
             self._set("exact_k", _take(self.exact_k, index))
