@@ -14,6 +14,8 @@ SAME evicted set is compared with the true evicted mass p(E) from the exact keys
     box-cN     page boxes of N evicted tokens grouped by cluster_order (--cluster sizes)
     box-pN-h   box-pN read through super-pages of 8 pages, refined where the super-page term is
                >= 1/16 of the super-page total (the hierarchy; sound for any refinement; N < 32)
+    sketch-C   the evicted keys kept as codes of codec C (values dropped) with their band witness,
+               read as one-token boxes (fast.core.pagebox.build_key_sketch, T7l; --sketch)
 
 Reported per witness, evictor and budget: median and p90 of bound TV / true TV and of X / Z_E
 (the witness's upper bound on the evicted partition function over the exact one), violations,
@@ -54,12 +56,14 @@ def evicted_order(valid, keep, Hkv):
     return idx, gone.gather(2, idx), gone
 
 
-def build_witnesses(k, valid, keep, pages, clustered, bands):
+def build_witnesses(k, valid, keep, pages, clustered, bands, sketches=()):
     """{name: (kind, witness)} of one layer's evicted set; k: exact pre-eviction keys [B, Hkv, N, D]."""
     from fast.core.evict import build_group_witness, cluster_order
-    from fast.core.pagebox import build_page_box_witness
+    from fast.core.pagebox import build_key_sketch, build_page_box_witness
     idx, ok, gone = evicted_order(valid, keep, k.shape[1])
     out = {"ball-g32": ("ball", build_group_witness(k, idx, bands, group_size=32, evict_valid=ok))}
+    for c in sketches:
+        out[f"sketch-{c}"] = ("sketch", build_key_sketch(k, idx, bands, scheme=c, evict_valid=ok))
     for P in pages:
         out[f"box-p{P}"] = ("box", build_page_box_witness(k, idx, page_size=P, evict_valid=ok))
         if P < 32:                               # ~200-300 evicted tokens: one super-page of 8 x 32 is all of them
@@ -91,6 +95,8 @@ class Shadow:
             for name, (kind, w) in self.wits[layer].items():
                 if kind == "ball":
                     row[name] = evict_log_odds(q, w.groups, lz, scale, w.bands)
+                elif kind == "sketch":
+                    row[name] = pagebox_log_odds(q, w.boxes(), lz, scale)
                 else:
                     st = {}
                     row[name] = pagebox_log_odds(q, w, lz, scale, stats=st,
@@ -114,7 +120,7 @@ def stored_bytes(kind, w):
     return w.nbytes + (w.super_pages(SUPER).nbytes if kind == "boxh" else 0)
 
 
-def run_cell(model, pre, spec, steps, pages, clustered):
+def run_cell(model, pre, spec, steps, pages, clustered, sketches=()):
     from fast.core.rope import rope_bands
     from fast.policies.evictors import Collector, collecting, copy_prefill, evict, make_evictor
     mine = copy_prefill(pre, model.config)
@@ -123,7 +129,7 @@ def run_cell(model, pre, spec, steps, pages, clustered):
     bands = rope_bands(D, 8, "rotate_half")
     wits, gones = [], []
     for l, k in enumerate(ev.full_keys):
-        w, gone = build_witnesses(k.float(), pre.valid, ev.keep[l], pages, clustered, bands)
+        w, gone = build_witnesses(k.float(), pre.valid, ev.keep[l], pages, clustered, bands, sketches)
         wits.append(w)
         gones.append(gone)
     sh = Shadow(ev.full_keys, wits, gones, pre.valid)
@@ -189,13 +195,15 @@ def tables(data):
                     "steps, all layers and query heads; truth from exact keys): median [p90] of log(X / Z_E) in nats, "
                     "the witness's bound on the evicted partition function over the exact one (0 = exact; ball = "
                     "today's group witness, box-pN = page boxes of N consecutive evicted tokens, box-cN = N clustered, "
-                    "-h = super-page hierarchy); last row: witness bytes per evicted token (fp16 K+V: 256)",
+                    "-h = super-page hierarchy, sketch-C = the evicted keys as per-token codes of C with their witness, "
+                    "values dropped); last row: witness bytes per evicted token (fp16 K+V: 256)",
            "header": ["evictor@budget", "true TV median"] + names, "rows": []}
     ratio = {"title": "The same reads: median [p90] of bound TV / true TV (the issue's goal: median <= 10), "
                       "violations / checks, and AUROC against harm of the per-input mean bound log-odds (harm labels "
                       "from results/evict_eval.json, same inputs) beside the AUROC of the true evicted mass",
              "header": ["evictor@budget"] + names + ["violations/checks", "harmed/unharmed", "AUROC box-p8", "AUROC ball-g32",
-                                                     "AUROC true mass"], "rows": []}
+                                                     "AUROC true mass"] + [f"AUROC {n}" for n in names if n.startswith("sketch-")],
+             "rows": []}
 
     def auc(c, n):
         a = c.get("harm", {}).get("auroc", {}).get(n)
@@ -207,7 +215,7 @@ def tables(data):
         ratio["rows"].append([key] + [f"{c[n]['tv_ratio_median']:.1f} [{c[n]['tv_ratio_p90']:.1f}]" for n in names]
                              + [f"{sum(c[n]['violations'] for n in names)}/{sum(c[n]['checks'] for n in names)}",
                                 f"{h.get('harmed', '-')}/{h.get('unharmed', '-')}", auc(c, "box-p8"), auc(c, "ball-g32"),
-                                auc(c, "true")])
+                                auc(c, "true")] + [auc(c, n) for n in names if n.startswith("sketch-")])
     first = next(iter(cells.values()))
     gap["rows"].append(["bytes / evicted token", "-"] + [f"{first[n]['bytes_per_evicted_token']:.1f}" for n in names])
     return [gap, ratio]
@@ -221,6 +229,7 @@ def main(argv=None):
     ap.add_argument("--evictors", default="snapkv,streaming,random,h2o")
     ap.add_argument("--pages", default="4,8,16,32")
     ap.add_argument("--cluster", default="8", help="page sizes also grouped by cluster_order (box-cN)")
+    ap.add_argument("--sketch", default="", help="key sketch codecs (sketch-C columns), e.g. int8,int4")
     ap.add_argument("--steps", type=int, default=2, help="decode steps certified per input")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--sinks", type=int, default=4)
@@ -244,6 +253,7 @@ def main(argv=None):
     budgets = [int(b) for b in args.budgets.split(",")]
     pages = [int(p) for p in args.pages.split(",")]
     clustered = [int(p) for p in args.cluster.split(",") if p]
+    sketches = [c for c in args.sketch.split(",") if c]
     evictors = args.evictors.split(",")
     exs = examples(args.n, tasks=tuple(DEFAULT_TASKS), haystacks=("synthetic", "natural"))
     cells = {}                                   # key -> {"rows": per input rows, "bytes", "evicted", "boxes"}
@@ -255,7 +265,7 @@ def main(argv=None):
         for K in budgets:
             for name in evictors:
                 label, spec, _, _ = parse_spec(name, K, args.sinks, args.window_frac)
-                sh, nbytes, evicted = run_cell(model, pre, spec, args.steps, pages, clustered)
+                sh, nbytes, evicted = run_cell(model, pre, spec, args.steps, pages, clustered, sketches)
                 c = cells.setdefault(f"{label}@{K}", {"rows": [], "bytes": {}, "evicted": 0, "boxes": {}, "inputs": []})
                 for b, ex in enumerate(batch):
                     c["rows"].append([{k: v[b] for k, v in row.items()} for _, row in sh.rows])

@@ -279,3 +279,51 @@ def log_odds_of(log_x, log_z_kept_lower):
 def pagebox_bound(q, witness, log_z_kept_lower, scale, **kw):
     """TV(p, p^K) <= X/(L+X) per query head (T7b, T7k), fp32 [B, H], >= the exact value."""
     return tv_from_log_odds(pagebox_log_odds(q, witness, log_z_kept_lower, scale, **kw))
+
+
+@dataclass
+class KeySketch:
+    """The evicted keys kept as codes (`scheme`, per token) with their band witness: a page box
+    witness with one token per page (T7l with lo = hi = the decoded key k^, which lies in its own
+    box, and W = the stored witness >= ||(k - k^)_b||, measured against the exact key: sound for any
+    codec, as T4; widen is the unpacked fp32 witness, >= the codes' rho). The values of evicted tokens are not kept. codes: the QTensor of the evicted keys
+    [B, Hkv, E, D] in evict order; rho: uint8 log codes [B, Hkv, E, NB]; valid: bool [B, Hkv, E]."""
+    codes: object
+    rho: torch.Tensor
+    valid: torch.Tensor
+    bands: torch.Tensor
+
+    @property
+    def nbytes(self):
+        """Bytes as stored: codes and scales, witness codes, one validity byte per slot."""
+        return self.codes.nbytes + self.rho.numel() + self.valid.numel()
+
+    def boxes(self):
+        """The PageBoxWitness this sketch stands for (pages of one token), built at read time."""
+        from fast.core.quant import dequantize
+        from fast.core.witness import unpack_witness
+        k_hat = dequantize(self.codes)                                      # fp32: lo = hi = k^ exactly
+        return PageBoxWitness(self.valid.to(torch.int32), k_hat, k_hat.clone(), unpack_witness(self.rho), self.bands)
+
+
+def build_key_sketch(keys, evict_index, bands, *, scheme="int8", evict_valid=None):
+    """KeySketch of the evicted keys: keys [B, Hkv, N, D] the exact keys as cached (post-RoPE),
+    evict_index [B, Hkv, E] the evicted tokens, evict_valid bool [B, Hkv, E] (False = padding);
+    scheme: a per-token codec of fast.core.quant (int8, int4, fp8_e4m3, fp8_e5m2)."""
+    from fast.core.quant import dequantize, quantize
+    from fast.core.witness import pack_witness, witness
+    B, Hkv, N, D = check_evicted("keys", keys, evict_index)
+    if keys.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"keys must be fp32, fp16 or bf16 (the witness is measured against them exactly), got {keys.dtype}")
+    if scheme not in ("int8", "int4", "fp8_e4m3", "fp8_e5m2"):
+        raise ValueError(f"scheme must be a per-token codec (int8, int4, fp8_e4m3, fp8_e5m2), got {scheme!r}")
+    valid = torch.ones_like(evict_index, dtype=torch.bool) if evict_valid is None else evict_valid
+    if valid.shape != evict_index.shape or valid.dtype != torch.bool:
+        raise ValueError(f"evict_valid must be bool {tuple(evict_index.shape)}")
+    bands = torch.as_tensor(bands)
+    if bands.dim() != 2 or bands.numel() != D:
+        raise ValueError(f"bands must be [NB, D/NB] covering D={D}")
+    k = keys.float().gather(2, evict_index[..., None].expand(-1, -1, -1, D)).contiguous()   # exact
+    qt = quantize(k, scheme)
+    rho = pack_witness(witness(k, dequantize(qt), bands))                  # >= ||(k - k^)_b||, rounded up
+    return KeySketch(qt, rho, valid, bands)
