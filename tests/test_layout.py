@@ -70,6 +70,25 @@ def test_core_imports_no_upper_layer():
             assert not upper, f"{m} imports {upper}"
 
 
+REPO_ONLY = ("benchmarks", "spec", "reference", "conformance", "tests")  # top-level dirs the wheel does not ship
+
+
+def test_fast_imports_no_repository_only_package():
+    """Property: no module of fast imports benchmarks, spec, reference, conformance or tests (anywhere in
+    the file, lazy imports included): an installed kvcert has none of them."""
+    bad = []
+    for path in sorted(FAST.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            bad += [f"{module_name(path)}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in REPO_ONLY]
+    assert not bad, "\n".join(bad)
+
+
 def test_core_imports_neither_transformers_nor_vllm():
     """Property: importing the whole core (and `import fast`) loads neither transformers nor vllm."""
     core = sorted(module_name(p) for p in (FAST / "core").glob("*.py"))
