@@ -99,13 +99,14 @@ def test_core_imports_neither_transformers_nor_vllm():
     assert r.returncode == 0, r.stderr[-2000:]
 
 
-def test_wheel_ships_the_fused_kernel_source(tmp_path):
-    """An installed kvcert builds its fused CPU read from fast/core/csrc/cpu_fused.cpp at first use:
-    the wheel built from pyproject must carry that file (without it the read is not there)."""
+def test_wheel_ships_the_library_only(tmp_path):
+    """The wheel built from pyproject holds every module of fast and the fused CPU read's source
+    (fast/core/csrc/cpu_fused.cpp, built at first use: without it an installed kvcert has no fused
+    read), and nothing outside fast/ but its metadata (no top-level spec, reference or benchmarks)."""
     import shutil
     import zipfile
     tree = tmp_path / "src"  # a copy: setuptools builds in the tree, and a stale build/ there would hide a miss
-    for name in ("fast", "spec", "reference", "benchmarks"):
+    for name in ("fast", "spec", "reference", "benchmarks"):  # all of them: the wheel must leave three out
         shutil.copytree(ROOT / name, tree / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, tree / name)
@@ -113,6 +114,9 @@ def test_wheel_ships_the_fused_kernel_source(tmp_path):
                         "-q", "-w", str(tmp_path)], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     names = zipfile.ZipFile(next(tmp_path.glob("kvcert-*.whl"))).namelist()
-    src = FAST / "core" / "csrc"
-    for f in src.glob("*.cpp"):
-        assert f"fast/core/csrc/{f.name}" in names, f"the wheel lacks {f.name}"
+    outside = [n for n in names if n.split("/")[0] != "fast" and not n.split("/")[0].endswith(".dist-info")]
+    assert not outside, f"the wheel ships more than fast/: {outside}"
+    want = [str(p.relative_to(ROOT).as_posix()) for p in FAST.rglob("*.py")]
+    want += [f"fast/core/csrc/{f.name}" for f in (FAST / "core" / "csrc").glob("*.cpp")]
+    missing = [n for n in want if n not in names]
+    assert not missing, f"the wheel lacks {missing}"
