@@ -8,10 +8,13 @@ so that load on the shared machine hits every variant alike; tokens/s = B / medi
 
 Variants
 - uncompressed: DynamicCache, sdpa (fp32);
-- int8 (no certificate): FusedCertifiedCache(certify=False): the same codes, served by the fused kernel;
-- int8 certified: FusedCertifiedCache (fast.integrations.hf_fused: fused kernel, batched epilogue);
-- int8 certified (meter): CertifiedCache + the kvcert meter (the served fp32 copy + the torch twin);
-- int4 / kivi2 certified: CertifiedCache + the meter (no fused kernel for them yet);
+- every other row: fast.CertifiedCache read with attention "kvcert" (what fast.enable_meter sets),
+  as README's first example builds it; its default backend="auto" reads through the fused C++
+  kernel (fast.integrations.hf_fused) wherever the kernel applies (int8, int4);
+- int8 (no certificate): certify=False: the same codes, served by the fused kernel;
+- int8 certified: the fused kernel, certificate epilogue batched once per step;
+- int8 certified (torch twin): backend="torch" (the served fp32 copy + the torch twin);
+- int4 / kivi2 certified: the defaults (kivi2 falls back to the torch twin: no fused kernel for it);
 - quanto int4: transformers QuantizedCache(backend="quanto") when optimum-quanto imports (--quanto).
 meter overhead = step time int8 certified / int8 (no certificate), same codes, same run.
 
@@ -52,21 +55,32 @@ def prompt_ids(tok, n):
         filler *= 2
 
 
-def make_variants(model, exact, B, L, quanto):
-    from transformers import DynamicCache
+ATTENTION = "kvcert"  # the meter's name: fast.enable_meter(model) sets it (README's first example)
+CACHES = {  # variant: (scheme, fast.CertifiedCache keywords), each read with ATTENTION
+    "int8 (no certificate)": ("int8", {"certify": False}),
+    "int8 certified": ("int8", {}),
+    "int8 certified (torch twin)": ("int8", {"backend": "torch"}),
+    "int4 certified": ("int4", {}),
+    "kivi2 certified": ("kivi2", {}),
+}
+MEMORY_VARIANTS = ["uncompressed", "int8 certified", "int8 (no certificate)", "int8 certified (torch twin)"]
 
-    from fast.integrations.hf_cache import CertifiedCache
-    from fast.integrations.hf_cache import FusedCertifiedCache
+
+def certified_cache(config, variant):
+    """The variant's cache, built as README's first example builds one."""
+    import fast
+    scheme, kw = CACHES[variant]
+    return fast.CertifiedCache(config, scheme, **kw)
+
+
+def make_variants(model, exact, B, L, quanto):
     valid = torch.ones(B, L, dtype=torch.bool)
     for b in range(B):
         valid[b, : b * L // 8] = False
     src = exact if B == 1 else _repeat(exact, B, model.config)
-    v = {"uncompressed": (_copy(src, model.config), "sdpa"),
-         "int8 (no certificate)": (FusedCertifiedCache(model.config, "int8", certify=False).fill_from(src, valid), "kvcert_fused"),
-         "int8 certified": (FusedCertifiedCache(model.config, "int8").fill_from(src, valid), "kvcert_fused"),
-         "int8 certified (meter)": (CertifiedCache(model.config, "int8").fill_from(src, valid), "kvcert"),
-         "int4 certified (meter)": (CertifiedCache(model.config, "int4").fill_from(src, valid), "kvcert"),
-         "kivi2 certified (meter)": (CertifiedCache(model.config, "kivi2").fill_from(src, valid), "kvcert")}
+    v = {"uncompressed": (_copy(src, model.config), "sdpa")}
+    for name in CACHES:
+        v[name] = (certified_cache(model.config, name).fill_from(src, valid), ATTENTION)
     if quanto:
         from transformers import QuantizedCache
         qc = QuantizedCache(backend="quanto", config=model.config, nbits=4, residual_length=32, q_group_size=32)
@@ -131,6 +145,7 @@ def run_context(model, tok, L, batches, steps, quanto, log):
                 res[name]["fused_reads"] = cache.fused_reads
         res["meter_overhead"] = res["int8 certified"]["median_step_s"] / res["int8 (no certificate)"]["median_step_s"]
         out[f"B={B}"] = res
+        (ROOT / "build").mkdir(exist_ok=True)
         with open(ROOT / "build" / "decode_speed_cells.jsonl", "a") as fh:  # survives an interrupted run
             fh.write(json.dumps({"context": L, "batch": B, "cell": res, "command": " ".join(sys.argv)}) + "\n")
         log(f"  L={L} B={B}: " + ", ".join(f"{n} {r['tokens_per_s']:.2f} tok/s ({r['ratio_vs_uncompressed']:.2f}x)"
@@ -170,8 +185,6 @@ def _status(key):
 def memory_child(variant, path, steps):
     from transformers import DynamicCache
 
-    from fast.integrations.hf_cache import CertifiedCache
-    from fast.integrations.hf_cache import FusedCertifiedCache
     from fast.integrations.hf_meter import set_current
     from fast.tools.cli import load
     model, _ = load()
@@ -184,10 +197,7 @@ def memory_child(variant, path, steps):
     if variant == "uncompressed":
         cache = exact
     else:
-        cls, scheme, kw, attn = {"int8 certified": (FusedCertifiedCache, "int8", {}, "kvcert_fused"),
-                                 "int8 (no certificate)": (FusedCertifiedCache, "int8", {"certify": False}, "kvcert_fused"),
-                                 "int8 certified (meter)": (CertifiedCache, "int8", {}, "kvcert")}[variant]
-        cache = cls(model.config, scheme, **kw).fill_from(exact)
+        cache, attn = certified_cache(model.config, variant).fill_from(exact), ATTENTION
         del exact
     model.set_attn_implementation(attn)
     x = torch.tensor([[42]])
@@ -230,11 +240,9 @@ def memory_only(args, argv):
     """Peak RSS children from a saved prefill; writes doc["memory"] of --out (the rest is kept)."""
     from transformers import DynamicCache
 
-    from fast.integrations.hf_cache import FusedCertifiedCache
     from fast.tools.cli import load
-    variants = ["uncompressed", "int8 certified", "int8 (no certificate)", "int8 certified (meter)"]
     children = {}
-    for v in variants:
+    for v in MEMORY_VARIANTS:
         r = subprocess.run([sys.executable, "-m", "benchmarks.decode_speed", "--memory-child", v, "--memory-file",
                             args.memory_from, "--steps", "3"], cwd=ROOT, capture_output=True, text=True)
         line = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
@@ -247,7 +255,7 @@ def memory_only(args, argv):
     exact = DynamicCache(config=model.config)
     for layer, (k, v) in enumerate(saved):
         exact.update(k, v, layer)
-    probe = FusedCertifiedCache(model.config, "int8").fill_from(exact)
+    probe = certified_cache(model.config, "int8 certified").fill_from(exact)
     fp32_bytes = sum(s.keys.nbytes + s.values.nbytes for s in exact.layers)
     mem = {"context_tokens": exact.layers[0].keys.shape[2], "children": children, "fp32_cache_bytes": fp32_bytes,
            "int8_cache_device_bytes": probe.memory()["device_bytes"],
@@ -348,10 +356,8 @@ def main(argv=None):
         contexts = sorted(int(L) for L in res)
     memory = None
     if args.memory:
-        memory = measure_memory(last, ["uncompressed", "int8 certified", "int8 (no certificate)", "int8 certified (meter)"],
-                                3, log)
-        from fast.integrations.hf_cache import FusedCertifiedCache
-        probe = FusedCertifiedCache(model.config, "int8").fill_from(last)
+        memory = measure_memory(last, MEMORY_VARIANTS, 3, log)
+        probe = certified_cache(model.config, "int8 certified").fill_from(last)
         fp32_bytes = sum(s.keys.nbytes + s.values.nbytes for s in last.layers)
         memory = {"context_tokens": contexts[-1], "children": memory, "fp32_cache_bytes": fp32_bytes,
                   "int8_cache_device_bytes": probe.memory()["device_bytes"],
@@ -380,8 +386,9 @@ def main(argv=None):
            "quanto": "included" if args.quanto else (quanto_note or "not requested (--quanto)"),
            "notes": ["step times of all variants interleaved; ratios within one (context, batch) cell",
                      "batch 4: one prefill repeated, sequence b with b L/8 left-padding tokens masked (different lengths)",
-                     "int8 certified: fast.integrations.hf_fused (C++ kernel, fast.core.cpu_fused); (meter): the "
-                     "served fp32 copy + the torch twin"],
+                     "certified rows: fast.CertifiedCache, attention 'kvcert' (fast.enable_meter); backend 'auto' "
+                     "reads through the C++ kernel (fast.core.cpu_fused) where it applies; (torch twin): "
+                     "backend='torch', the served fp32 copy + the torch twin"],
            "readme_table": {"title": f"Decode speed, SmolLM2-135M on this CPU ({mach['torch_threads']} torch thread(s), "
                                      f"{args.steps} interleaved steps; ratio = tokens/s vs the uncompressed cache, same cell)",
                             "header": ["context", "batch", "cache", "tokens/s", "ratio"], "rows": rows},

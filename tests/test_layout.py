@@ -70,6 +70,25 @@ def test_core_imports_no_upper_layer():
             assert not upper, f"{m} imports {upper}"
 
 
+REPO_ONLY = ("benchmarks", "spec", "reference", "conformance", "tests")  # top-level dirs the wheel does not ship
+
+
+def test_fast_imports_no_repository_only_package():
+    """Property: no module of fast imports benchmarks, spec, reference, conformance or tests (anywhere in
+    the file, lazy imports included): an installed kvcert has none of them."""
+    bad = []
+    for path in sorted(FAST.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            bad += [f"{module_name(path)}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in REPO_ONLY]
+    assert not bad, "\n".join(bad)
+
+
 def test_core_imports_neither_transformers_nor_vllm():
     """Property: importing the whole core (and `import fast`) loads neither transformers nor vllm."""
     core = sorted(module_name(p) for p in (FAST / "core").glob("*.py"))
@@ -80,13 +99,14 @@ def test_core_imports_neither_transformers_nor_vllm():
     assert r.returncode == 0, r.stderr[-2000:]
 
 
-def test_wheel_ships_the_fused_kernel_source(tmp_path):
-    """An installed kvcert builds its fused CPU read from fast/core/csrc/cpu_fused.cpp at first use:
-    the wheel built from pyproject must carry that file (without it the read is not there)."""
+def test_wheel_ships_the_library_only(tmp_path):
+    """The wheel built from pyproject holds every module of fast and the fused CPU read's source
+    (fast/core/csrc/cpu_fused.cpp, built at first use: without it an installed kvcert has no fused
+    read), and nothing outside fast/ but its metadata (no top-level spec, reference or benchmarks)."""
     import shutil
     import zipfile
     tree = tmp_path / "src"  # a copy: setuptools builds in the tree, and a stale build/ there would hide a miss
-    for name in ("fast", "spec", "reference", "benchmarks"):
+    for name in ("fast", "spec", "reference", "benchmarks"):  # all of them: the wheel must leave three out
         shutil.copytree(ROOT / name, tree / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, tree / name)
@@ -94,6 +114,9 @@ def test_wheel_ships_the_fused_kernel_source(tmp_path):
                         "-q", "-w", str(tmp_path)], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     names = zipfile.ZipFile(next(tmp_path.glob("kvcert-*.whl"))).namelist()
-    src = FAST / "core" / "csrc"
-    for f in src.glob("*.cpp"):
-        assert f"fast/core/csrc/{f.name}" in names, f"the wheel lacks {f.name}"
+    outside = [n for n in names if n.split("/")[0] != "fast" and not n.split("/")[0].endswith(".dist-info")]
+    assert not outside, f"the wheel ships more than fast/: {outside}"
+    want = [str(p.relative_to(ROOT).as_posix()) for p in FAST.rglob("*.py")]
+    want += [f"fast/core/csrc/{f.name}" for f in (FAST / "core" / "csrc").glob("*.cpp")]
+    missing = [n for n in want if n not in names]
+    assert not missing, f"the wheel lacks {missing}"

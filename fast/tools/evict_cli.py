@@ -86,11 +86,7 @@ def _prompts(args, tok, text=None):
     if text is not None:
         from fast.integrations.model import chat_ids
         return [torch.tensor([chat_ids(tok, ln)]) for ln in text.splitlines() if ln.strip()]
-    try:
-        from benchmarks.ruler import build, examples
-    except ImportError:
-        raise UsageError("give --prompts FILE: the prompt generator (benchmarks/ruler.py) imports from the "
-                         "repository root only") from None
+    from fast.tools.ruler import build, examples
     return [build(tok, ex, args.tokens)[0] for ex in examples(args.n, seed0=10_000)]
 
 
