@@ -23,6 +23,19 @@ What the certificate bounds: TV(softmax(s<q, k_j>), softmax(s<q, k~_j>)) for eve
 head, k exact (as computed by the model), k~ as stored; vLLM's own kernel arithmetic is trusted
 (as the model's arithmetic is, math.md "What is trusted").
 
+Online serving (`vllm serve`): the same switch; two documented vLLM extension points add more.
+- `--kv-transfer-config "$(python -c 'from fast.integrations.vllm import CONNECTOR_CONFIG; print(CONNECTOR_CONFIG)')"`
+  (KVTransferConfig with kv_connector_module_path): KVCertConnector, a KV connector that transfers
+  nothing; its request_finished returns {"kvcert": the request's summary}, which vLLM puts in
+  RequestOutput.kv_transfer_params and the completion response's `kv_transfer_params`. It needs the
+  uniprocess executor (the worker in the engine-core process; on CPU: VLLM_ENABLE_V1_MULTIPROCESSING=0),
+  else start-up is refused with one line.
+- PROMETHEUS_MULTIPROC_DIR set (prometheus_client's multiprocess mode, which vLLM's /metrics reads;
+  vLLM sets it itself with --api-server-count > 1): the worker's counters kvcert_certified_reads_total,
+  kvcert_repairs_total and the histogram kvcert_bound appear on /metrics.
+    KVCERT_VLLM=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 PROMETHEUS_MULTIPROC_DIR=$(mktemp -d)
+        vllm serve MODEL --dtype float32 --kv-transfer-config "$(...CONNECTOR_CONFIG...)"   (one command line)
+
 Configuration (environment, read in every process; workers inherit it):
   KVCERT_VLLM=1            enable the plugin
   KVCERT_CODEC             fp8_e4m3 (default) | fp8_e5m2 | none (an exact fp32 cache)
