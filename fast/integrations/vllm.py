@@ -23,6 +23,19 @@ What the certificate bounds: TV(softmax(s<q, k_j>), softmax(s<q, k~_j>)) for eve
 head, k exact (as computed by the model), k~ as stored; vLLM's own kernel arithmetic is trusted
 (as the model's arithmetic is, math.md "What is trusted").
 
+Online serving (`vllm serve`): the same switch; two documented vLLM extension points add more.
+- `--kv-transfer-config "$(python -c 'from fast.integrations.vllm import CONNECTOR_CONFIG; print(CONNECTOR_CONFIG)')"`
+  (KVTransferConfig with kv_connector_module_path): KVCertConnector, a KV connector that transfers
+  nothing; its request_finished returns {"kvcert": the request's summary}, which vLLM puts in
+  RequestOutput.kv_transfer_params and the completion response's `kv_transfer_params`. It needs the
+  uniprocess executor (the worker in the engine-core process; on CPU: VLLM_ENABLE_V1_MULTIPROCESSING=0),
+  else start-up is refused with one line.
+- PROMETHEUS_MULTIPROC_DIR set (prometheus_client's multiprocess mode, which vLLM's /metrics reads;
+  vLLM sets it itself with --api-server-count > 1): the worker's counters kvcert_certified_reads_total,
+  kvcert_repairs_total and the histogram kvcert_bound appear on /metrics.
+    KVCERT_VLLM=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 PROMETHEUS_MULTIPROC_DIR=$(mktemp -d)
+        vllm serve MODEL --dtype float32 --kv-transfer-config "$(...CONNECTOR_CONFIG...)"   (one command line)
+
 Configuration (environment, read in every process; workers inherit it):
   KVCERT_VLLM=1            enable the plugin
   KVCERT_CODEC             fp8_e4m3 (default) | fp8_e5m2 | none (an exact fp32 cache)
@@ -179,6 +192,13 @@ def check_vllm_config(cfg, vc):
     if backend is not None and getattr(backend, "name", str(backend)) != "CPU_ATTN":
         raise ValueError(f"kvcert: attention backend {getattr(backend, 'name', backend)} is not supported "
                          "(the plugin wraps CPU_ATTN)")
+    kt = vc.kv_transfer_config
+    if kt is not None and kt.kv_connector == CONNECTOR:  # it reads the worker's summaries in its own process
+        pc = vc.parallel_config
+        if pc.world_size > 1 or pc.distributed_executor_backend not in (None, "uni"):
+            raise ValueError(f"kvcert: {CONNECTOR} needs the uniprocess executor (one worker in the engine-core "
+                             f"process; on CPU: VLLM_ENABLE_V1_MULTIPROCESSING=0, one worker); got world size {pc.world_size}, "
+                             f"executor {pc.distributed_executor_backend!r}")
 
 
 class StartupError(SystemExit):
@@ -553,6 +573,11 @@ def _backend_classes():
             STATE.record(rec)
             if cfg.trace_dir:
                 _trace(rec)
+            m = _metrics()
+            if m is not None:
+                m["reads"].inc(T * H)
+                m["repairs"].inc(len(fresh))
+                m["bound"].observe(float(served.max()))
 
     class KVCertBackend(CPUAttentionBackend):
         @staticmethod
@@ -587,6 +612,24 @@ def _finish(entries):
                 cert = e["impl"]._twin(e["q"], e["kv"], e["table"], e["N"], e["pos"], served_by_kernel=True)[2]
             e["bound"] = cert["min"][0]
         e["impl"]._finish_one(e, e["bound"])
+
+
+METRICS = None
+
+
+def _metrics():
+    """Prometheus counters of this process, only in prometheus_client's multiprocess mode
+    (PROMETHEUS_MULTIPROC_DIR set before vLLM starts; vLLM sets it itself with --api-server-count > 1): the
+    API server's /metrics (get_prometheus_registry, v1/metrics/prometheus.py) then collects them from the
+    engine-core process through the directory. None otherwise (the counters would not reach /metrics)."""
+    global METRICS
+    if METRICS is None and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import Counter, Histogram
+        METRICS = {"reads": Counter("kvcert_certified_reads", "certified (row, query head) reads of the KV cache"),
+                   "repairs": Counter("kvcert_repairs", "(request, layer, KV head) served from the exact store by the gate"),
+                   "bound": Histogram("kvcert_bound", "largest certified TV bound (as served) of one (request, layer) read",
+                                      buckets=(1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.05, 0.1, 0.2, 0.5, 1.0))}
+    return METRICS
 
 
 def flush():
@@ -717,12 +760,75 @@ def _kv_budget(worker, budget):
     return int(share)
 
 
-def __getattr__(name):  # KVCertBackend / KVCertImpl are built on first use (vLLM imported lazily)
+def __getattr__(name):  # KVCertBackend / KVCertImpl / KVCertConnector are built on first use (vLLM imported lazily)
     if name in ("KVCertBackend", "KVCertImpl"):
         backend, impl = _backend_classes()
         globals().update(KVCertBackend=backend, KVCertImpl=impl)
         return globals()[name]
+    if name == "KVCertConnector":
+        globals()[name] = _connector_class()
+        return globals()[name]
     raise AttributeError(name)
+
+
+CONNECTOR = "KVCertConnector"
+CONNECTOR_CONFIG = json.dumps({"kv_connector": CONNECTOR, "kv_connector_module_path": __name__, "kv_role": "kv_both"})
+
+
+def _connector_class():
+    """A KV connector (vLLM's KVConnectorBase_V1) that transfers nothing: every transfer hook is a no-op.
+    Its one use is the scheduler-side request_finished, whose dict vLLM hands back as
+    RequestOutput.kv_transfer_params and, in `vllm serve`, as the completion response's
+    `kv_transfer_params` field: {"kvcert": the request's summary}.
+
+    It reads the worker's summaries in its own process: only with the uniprocess executor, where the
+    scheduler and the one worker share the engine-core process (check_vllm_config refuses any other
+    executor at start-up). vLLM calls request_finished in update_from_output, after the model output of
+    the step that produced the request's last token (v1/core/sched/scheduler.py): the summary covers
+    every read the request made, i.e. every token but the last generated one, which is never fed back."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    class KVCertConnector(KVConnectorBase_V1):
+        def __init__(self, vllm_config, role, kv_cache_config=None):
+            super().__init__(vllm_config, role, kv_cache_config)
+            if not config().enabled:
+                raise ValueError(f"kvcert: {CONNECTOR} needs the plugin on ({ENV}=1)")
+
+        # worker side: nothing to load or save
+        def start_load_kv(self, forward_context, **kwargs):
+            pass
+
+        def wait_for_layer_load(self, layer_name):
+            pass
+
+        def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+            pass
+
+        def wait_for_save(self):
+            pass
+
+        # scheduler side: no external tokens, no metadata
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            return 0, False
+
+        def update_state_after_alloc(self, request, blocks, num_external_tokens):
+            pass
+
+        def build_connector_meta(self, scheduler_output):
+            from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+            return KVConnectorMetadata()
+
+        def request_finished(self, request, block_ids):
+            """(False: free the blocks now, {"kvcert": this request's summary}); the summary is dropped here."""
+            flush()
+            rid = request.request_id
+            s = STATE.summary.pop(rid, None) or STATE.finished.pop(rid, None)
+            STATE.repaired.pop(rid, None)
+            if s is None:  # no read was certified (e.g. aborted before its first forward)
+                s = _new_summary()
+            return False, {"kvcert": summaries([{"summary": {rid: s}}])[external_id(rid)]}
+
+    return KVCertConnector
 
 
 class KVCertWorker:
