@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fast.core import _checks
 from fast.core.evict import MAX_TERMS, REL, _band_norms_up, _check_finite, _round_up_f16, check_evicted, tv_from_log_odds
 
 FORMATS = {"fp16": torch.float16, "fp32": torch.float32}
@@ -285,9 +286,10 @@ def pagebox_bound(q, witness, log_z_kept_lower, scale, **kw):
 class KeySketch:
     """The evicted keys kept as codes (`scheme`, per token) with their band witness: a page box
     witness with one token per page (T7l with lo = hi = the decoded key k^, which lies in its own
-    box, and W = the stored witness >= ||(k - k^)_b||, measured against the exact key: sound for any
-    codec, as T4; widen is the unpacked fp32 witness, >= the codes' rho). The values of evicted tokens are not kept. codes: the QTensor of the evicted keys
-    [B, Hkv, E, D] in evict order; rho: uint8 log codes [B, Hkv, E, NB]; valid: bool [B, Hkv, E]."""
+    box, and W = the unpacked fp32 witness >= ||(k - k^)_b||, measured against the exact key: sound
+    for any codec, as T4). The values of evicted tokens are not kept.
+    codes: the QTensor of the evicted keys [B, Hkv, E, D] in evict order; rho: uint8 log codes
+    [B, Hkv, E, NB]; valid: bool [B, Hkv, E]."""
     codes: object
     rho: torch.Tensor
     valid: torch.Tensor
@@ -320,9 +322,7 @@ def build_key_sketch(keys, evict_index, bands, *, scheme="int8", evict_valid=Non
     valid = torch.ones_like(evict_index, dtype=torch.bool) if evict_valid is None else evict_valid
     if valid.shape != evict_index.shape or valid.dtype != torch.bool:
         raise ValueError(f"evict_valid must be bool {tuple(evict_index.shape)}")
-    bands = torch.as_tensor(bands)
-    if bands.dim() != 2 or bands.numel() != D:
-        raise ValueError(f"bands must be [NB, D/NB] covering D={D}")
+    bands = _checks.bands_tensor(bands, D)
     k = keys.float().gather(2, evict_index[..., None].expand(-1, -1, -1, D)).contiguous()   # exact
     qt = quantize(k, scheme)
     rho = pack_witness(witness(k, dequantize(qt), bands))                  # >= ||(k - k^)_b||, rounded up
