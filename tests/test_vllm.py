@@ -555,3 +555,22 @@ def test_readme_vllm_snippet_is_self_contained():
     assert used <= bound, f"undefined in README's vLLM snippet: {sorted(used - bound)}"
     guard = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
     assert guard and any("make_llm" in ast.unparse(n) for n in guard), "make_llm outside the __main__ guard"
+
+
+def test_demo_records_each_run_under_its_settings(tmp_path):
+    """python -m fast.integrations.vllm --out FILE: each run kept under its own settings, others kept."""
+    import argparse
+    from types import SimpleNamespace
+    from fast.integrations.vllm import _record_run
+    path = tmp_path / "fault.json"
+    run = lambda certify, text, summary: _record_run(
+        argparse.Namespace(out=str(path), codec="fp8_e4m3", fault="key_scale:0.1", no_certify=not certify, prompt="p"),
+        "certified:0.2" if certify else "none", [SimpleNamespace(outputs=[SimpleNamespace(text=text)], kvcert=summary)],
+        ["--fault", "key_scale:0.1"] + ([] if certify else ["--no-certify"]))
+    run(False, "garbage", None)
+    run(True, "Paris.", {"repairs": 90})
+    runs = json.loads(path.read_text())["runs"]
+    assert runs["codec=fp8_e4m3 gate=none fault=key_scale:0.1 certify=False"] == {
+        "command": "python -m fast.integrations.vllm --fault key_scale:0.1 --no-certify", "prompt": "p",
+        "answer": "garbage", "summary": None}
+    assert runs["codec=fp8_e4m3 gate=certified:0.2 fault=key_scale:0.1 certify=True"]["summary"] == {"repairs": 90}

@@ -1015,6 +1015,8 @@ def main(argv=None):
     p.add_argument("--trace-dir", default=None)
     p.add_argument("--fault", default="none", help="none | key_scale:F: inject a faulty quantizer (KVCERT_FAULT)")
     p.add_argument("--no-certify", action="store_true", help="the same engine and codec without kvcert's meter")
+    p.add_argument("--out", default=None, help="also record this run (answer, summary) in this JSON file, under "
+                   "its settings (other runs in the file are kept)")
     args = p.parse_args(argv)
     gate = "none" if args.no_certify else args.gate
     try:
@@ -1037,7 +1039,22 @@ def main(argv=None):
         print(f"request {o.request_id}: {s.get('reads', 0)} certified (row, layer, head) reads; bound as served: max "
               f"{s.get('max_bound', math.nan):.4f}, mean {s.get('mean_bound', math.nan):.5f}; before the gate: max "
               f"{s.get('max_pre_gate', math.nan):.4f}; gate {gate}: {s.get('repairs', 0)} (layer, KV head) repairs")
+    if args.out:
+        _record_run(args, gate, out, sys.argv[1:] if argv is None else argv)
     return 0
+
+
+def _record_run(args, gate, out, argv):
+    """Add this run to the JSON file args.out: {"runs": {settings: {command, answer, summary}}}."""
+    from pathlib import Path
+    path = Path(args.out)
+    data = json.loads(path.read_text()) if path.is_file() else {"runs": {}}
+    key = f"codec={args.codec} gate={gate} fault={args.fault} certify={not args.no_certify}"
+    import shlex
+    cmd = "python -m fast.integrations.vllm " + shlex.join(argv)
+    data["runs"][key] = {"command": cmd, "prompt": args.prompt, "answer": out[0].outputs[0].text,
+                         "summary": None if args.no_certify else out[0].kvcert}
+    path.write_text(json.dumps(data, indent=1, default=float))
 
 
 if __name__ == "__main__":
