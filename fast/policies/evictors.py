@@ -129,11 +129,13 @@ class Collector:
     needs: subset of {"window", "window_heads", "accumulated", "last", "change"}. `on_decode(layer, query,
     key, attention_mask, scale)` is called on every single-token step (certificates). cache: the
     forward's cache, where attention may be handed fewer keys than it holds (kvcert's fused read
-    passes only its exact tail): the collector then looks at every key as the cache serves it."""
+    passes only its exact tail): the collector then looks at every key as the cache serves it.
+    read(layer, query, key, value, scale): when given, single-token reads are served by it instead
+    of the model's attention (the certified eviction gate, fast.policies.evict_gate)."""
 
-    def __init__(self, needs=(), obs=OBS, chunk=256, on_decode=None, cache=None):
+    def __init__(self, needs=(), obs=OBS, chunk=256, on_decode=None, cache=None, read=None):
         self.needs, self.obs, self.chunk, self.on_decode = set(needs), obs, chunk, on_decode
-        self.cache, self.layers = cache, {}
+        self.cache, self.layers, self.read = cache, {}, read
 
     def observe(self, module, query, key, attention_mask, scale):
         layer = module.layer_idx
@@ -172,7 +174,12 @@ def _wrapped(inner_name):
     def attention(module, query, key, value, attention_mask, **kwargs):
         from transformers import AttentionInterface
         if _ACTIVE:
-            _ACTIVE[-1].observe(module, query, key, attention_mask, kwargs.get("scaling") or module.scaling)
+            col, scale = _ACTIVE[-1], kwargs.get("scaling") or module.scaling
+            col.observe(module, query, key, attention_mask, scale)
+            if col.read is not None and query.shape[2] == 1:
+                if kwargs.get("sliding_window") or kwargs.get("softcap"):
+                    raise ValueError("the eviction gate reads plain softmax attention (no sliding window, no softcap)")
+                return col.read(module.layer_idx, query, key, value, scale), None
         if inner_name == "eager":
             import sys as _sys
             inner = _sys.modules[type(module).__module__].eager_attention_forward
@@ -522,6 +529,7 @@ class Eviction:
     full_keys: list = field(default_factory=list)   # shadow mode only: pre-eviction EXACT keys per layer
     rows: object = None           # bool [B]: the rows that evicted (PAGE decides per row)
     variants: dict = field(default_factory=dict)    # name -> per-layer GroupWitness (witness study)
+    gate: object = None           # the EvictionGate holding the offloaded tokens (evict(gate=))
 
     @property
     def witness_bytes(self):
@@ -534,19 +542,25 @@ def _witness_of_evicted(k, rho, valid, idx, num_bands, group_size, cluster=False
     cluster=False: groups of consecutive evicted positions; True: groups of nearby keys (a
     principal-axis split tree, fast.core.evict.cluster_order). T7c holds for any partition."""
     from fast.core.rope import rope_bands
-    B, Hkv, N, D = k.shape
-    gone = valid[:, None, :].expand(B, Hkv, N).clone()
-    gone.scatter_(2, idx, False)                               # evicted = real and not kept
-    E = int(gone.sum(-1).max())
-    if E == 0:
+    ev_idx, ev_valid = evicted_index(valid, idx, k.shape[1])
+    if not bool(ev_valid.any()):
         return None
-    order = torch.sort(gone.long(), dim=-1, descending=True, stable=True).indices
-    ev_idx = order[..., :E].sort(-1).values                    # evicted positions, by position
-    bands = rope_bands(D, num_bands, "rotate_half")
-    ev_valid = gone.gather(2, ev_idx)
+    bands = rope_bands(k.shape[-1], num_bands, "rotate_half")
     if cluster:
         ev_idx, ev_valid = cluster_order(k, ev_idx, ev_valid, group_size)
     return build_group_witness(k.float(), ev_idx, bands, group_size=group_size, evict_valid=ev_valid, rho=rho)
+
+
+def evicted_index(valid, keep, Hkv):
+    """(index [B, Hkv, E] of the real tokens not in keep [B, Hkv, K], by position; bool [B, Hkv, E]
+    False where a row has fewer than E evicted tokens). valid: bool [B, N] the real tokens."""
+    B, N = valid.shape
+    gone = valid[:, None, :].expand(B, Hkv, N).clone()
+    gone.scatter_(2, keep, False)                              # evicted = real and not kept
+    E = max(1, int(gone.sum(-1).max()))
+    order = torch.sort(gone.long(), dim=-1, descending=True, stable=True).indices
+    idx = order[..., :E].sort(-1).values
+    return idx, gone.gather(2, idx)
 
 
 def _page_scores(pre, page, L):
@@ -556,7 +570,8 @@ def _page_scores(pre, page, L):
     return [pre.layers[l].window for l in range(L)]
 
 
-def evict(pre, evictor, *, page=None, witness=True, group_size=32, num_bands=8, shadow=False, variants=None):
+def evict(pre, evictor, *, page=None, witness=True, group_size=32, num_bands=8, shadow=False, variants=None,
+          gate=None):
     """Choose keep sets from the prefill statistics, gate with PAGE, shrink the cache.
 
     PAGE decides per batch row. When every row evicts, the cache shrinks to the budget; when
@@ -564,8 +579,13 @@ def evict(pre, evictor, *, page=None, witness=True, group_size=32, num_bands=8, 
     the evicted rows' slots are masked out (padding slots on the left), so their attention is
     exactly the evicted one but their memory is freed only when the whole batch evicts.
     variants: {name: {"group_size": g, "cluster": bool}} extra witnesses of the same evicted
-    set, certified side by side in the trace (the witness study)."""
+    set, certified side by side in the trace (the witness study). gate: an EvictionGate
+    (fast.policies.evict_gate) that receives the evicted tokens (offload) and serves decode reads."""
     kv = [layer_kv(layer) for layer in pre.cache.layers]
+    if gate is not None and (page is not None or any(rho is not None for _, _, rho in kv)):
+        raise ValueError("the eviction gate works on an exact cache (DynamicCache) without PAGE")
+    if gate is not None and gate.layers:
+        raise ValueError("this EvictionGate already holds an eviction: make one per generation")
     before = cache_nbytes(pre.cache)
     B = pre.valid.shape[0]
     drop, rows = None, torch.ones(B, dtype=torch.bool)
@@ -588,11 +608,13 @@ def evict(pre, evictor, *, page=None, witness=True, group_size=32, num_bands=8, 
                                                        cluster=opt.get("cluster", False)))
         if shadow:                                             # the truth: exact keys, never the served ones
             full.append(exact_keys(pre.cache.layers[l]).clone())
+        if gate is not None:
+            gate.offload(k, v, pre.valid, idx)
     shrink_cache(pre.cache, keep)
     if isinstance(evictor, EpiKV):
         evictor.kept(keep[0][:, 0])                            # head-shared scores: one keep set
     return Eviction(keep, kept_valid, wits, before, cache_nbytes(pre.cache), True, drop, full, rows=rows,
-                    variants=extra)
+                    variants=extra, gate=gate)
 
 
 def _mixed_rows(idx, kept_valid, valid, rows):
@@ -730,18 +752,19 @@ class _OneLayer:
 
 
 def generate(model, input_ids, attention_mask=None, *, evictor=None, page=None, max_new_tokens=16,
-             certify=True, shadow=False, group_size=32, eos_token_id=None, cache=None, decode_every=None):
+             certify=True, shadow=False, group_size=32, eos_token_id=None, cache=None, decode_every=None, gate=None):
     """Greedy decoding with eviction after the prefill. Batch > 1 with left padding works.
 
     decode_every: also evict during decoding, back to the budget every that many new tokens
     (attention-free methods: streaming, knorm, random, epikv; long generations).
     Returns a dict: tokens [B, T], eviction (Eviction or None), trace (per step: log_odds and bound
-    [L, B, H]; in shadow mode also the true evicted mass), prefill (the Prefill, its cache shrunk)."""
+    [L, B, H]; in shadow mode also the true evicted mass), prefill (the Prefill, its cache shrunk).
+    gate: an EvictionGate (fast.policies.evict_gate): every decode read certified at TV <= its tau."""
     needs = _needs(evictor, page) if evictor is not None else set()
     pre = prefill(model, input_ids, attention_mask, needs=needs, cache=cache)
     ev = None
     if evictor is not None:
-        ev = evict(pre, evictor, page=page, witness=certify, group_size=group_size, shadow=shadow)
+        ev = evict(pre, evictor, page=page, witness=certify, group_size=group_size, shadow=shadow, gate=gate)
     return decode(model, pre, ev, max_new_tokens=max_new_tokens, certify=certify, shadow=shadow,
                   eos_token_id=eos_token_id, evictor=evictor if decode_every else None,
                   decode_every=decode_every, group_size=group_size)
@@ -760,8 +783,12 @@ def decode(model, pre, ev, *, max_new_tokens=16, certify=True, shadow=False, eos
     length. With `evictor` and `decode_every`, the cache is evicted back to the budget every
     `decode_every` new tokens. cert_steps: certify (and trace) only the first that many steps
     (evaluation cost); None = every step. keep_logits: also return the logits of every token chosen
-    ("logits" [B, T, V])."""
+    ("logits" [B, T, V]). An eviction made with evict(gate=) is read through its gate."""
     evicted = ev is not None and ev.evicted
+    gate = ev.gate if evicted else None
+    if gate is not None and (question is not None or decode_every):
+        raise ValueError("the eviction gate certifies single-token decode reads: question= (a multi-token read "
+                         "of the evicted cache) and decode_every (eviction during decoding) are not gated")
     valid_now = ev.kept_valid if evicted else pre.valid
     next_pos = pre.valid.sum(-1)                                   # [B] RoPE position of the next token
     tok = pre.logits.argmax(-1)
@@ -783,13 +810,18 @@ def decode(model, pre, ev, *, max_new_tokens=16, certify=True, shadow=False, eos
         valid_now = torch.cat([valid_now, torch.ones(valid_now.shape[0], 1, dtype=torch.bool)], 1)
         if cert is not None and cert_steps is not None and t >= cert_steps:
             cert = None                                                # the trace stops here
-        col = Collector(needs=evictor.needs if rolling else (), on_decode=cert, cache=pre.cache)
+        col = Collector(needs=evictor.needs if rolling else (), on_decode=cert, cache=pre.cache,
+                        read=gate.read if gate is not None else None)
+        if gate is not None:
+            gate.begin_step(valid_now)
         if cert is not None:
             cert.valid_now = valid_now
             cert.step_bounds, cert.step_true, cert.step_log_odds, cert.step_variants = {}, {}, {}, {}
         with torch.no_grad(), collecting(model, col):
             out = model(input_ids=tok[:, None], attention_mask=valid_now.long(), position_ids=next_pos[:, None],
                         past_key_values=pre.cache, use_cache=True)
+        if gate is not None:
+            gate.end_step()
         next_pos = next_pos + 1
         tok = out.logits[:, -1].argmax(-1)
         tokens.append(tok)

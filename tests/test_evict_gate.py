@@ -1,0 +1,147 @@
+"""The certified eviction gate (fast.policies.evict_gate) on a random tiny GQA Llama, batch 2 with
+left padding. The truth is computed here in fp64 from the exact keys this test copies out of the
+cache BEFORE the eviction (and the decode tokens' keys, which the DynamicCache holds exactly):
+every read served must have a true evicted mass <= its reported bound <= tau."""
+
+import pytest
+import torch
+
+from fast.policies.evict_gate import EvictionGate
+from fast.policies.evictors import copy_prefill, decode, evict, make_evictor, prefill
+from tiny_model import tiny_llama
+
+T = 8
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = tiny_llama(layers=3)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 128, (2, 120), generator=g)
+    mask = torch.ones(2, 120, dtype=torch.long)
+    mask[1, :30] = 0                                              # row 1: 90 real tokens, left padding
+    pre = prefill(model, ids, mask, needs={"window"})
+    full = decode(model, copy_prefill(pre, model.config), None, max_new_tokens=T, certify=False, keep_logits=True)
+    return model, pre, full
+
+
+def run(setup, tau, spec="snapkv:48", **kw):
+    model, pre, _ = setup
+    mine = copy_prefill(pre, model.config)
+    exact = [layer.keys.double().clone() for layer in mine.cache.layers]     # the truth's keys, before eviction
+    gate = EvictionGate(tau, keep_queries=True, **kw)
+    ev = evict(mine, make_evictor(spec), witness=False, gate=gate)
+    out = decode(model, mine, ev, max_new_tokens=T, certify=False, keep_logits=True)
+    return gate, ev, out, exact, mine
+
+
+def true_mass(gate, ev, exact, mine, valid):
+    """[T, L, B, H] the attention mass of the tokens each served read did not see, fp64."""
+    rows = []
+    for t, step in enumerate(gate.steps):
+        per_layer = []
+        for l, k0 in enumerate(exact):
+            B, Hkv, N, D = k0.shape
+            H = step["query"].shape[2]
+            rep = H // Hkv
+            dec = mine.cache.layers[l].keys.double()[:, :, -len(gate.steps):][:, :, :t + 1]   # decode tokens
+            k = torch.cat([k0, dec], 2).repeat_interleave(rep, 1)
+            ok = torch.cat([valid, torch.ones(B, t + 1, dtype=torch.bool)], 1)
+            gone = valid[:, None, :].expand(B, Hkv, N).clone()
+            gone.scatter_(2, ev.keep[l], False)
+            gone &= ~step["restored"][l][..., None]                       # restored heads read everything
+            gone = torch.cat([gone, torch.zeros(B, Hkv, t + 1, dtype=torch.bool)], 2).repeat_interleave(rep, 1)
+            x = torch.einsum("bhd,bhnd->bhn", step["query"][l].double(), k) / D ** 0.5
+            x = x.masked_fill(~ok[:, None, :], -float("inf"))
+            p = torch.softmax(x, -1)
+            per_layer.append((p * gone).sum(-1))
+        rows.append(torch.stack(per_layer))
+    return torch.stack(rows)
+
+
+def test_tau_one_is_plain_eviction_and_tau_zero_is_the_full_cache(setup):
+    """differential: tau = 1 never restores (the evicted read, same logits as evict without a gate);
+    tau = 0 restores every head with an evicted token on the first read (the full cache's logits)."""
+    model, pre, full = setup
+    mine = copy_prefill(pre, model.config)
+    plain = decode(model, mine, evict(mine, make_evictor("snapkv:48"), witness=False), max_new_tokens=T,
+                   certify=False, keep_logits=True)
+    gate, _, out, _, _ = run(setup, 1.0)
+    assert torch.allclose(out["logits"], plain["logits"], atol=1e-4)
+    assert not bool(torch.stack([s["restored"] for s in gate.steps]).any())
+    assert (out["logits"] - full["logits"]).abs().max() > 0.1             # eviction does change this model
+    gate, _, out, _, _ = run(setup, 0.0)
+    assert torch.allclose(out["logits"], full["logits"], atol=1e-4)
+    assert bool(gate.steps[0]["restored"].all()) and gate.summary()["max_served_bound"] == 0
+
+
+@pytest.mark.parametrize("tau,scope", [(0.05, "head"), (0.3, "head"), (0.3, "layer"), (0.3, "input"), (1.0, "head")])
+def test_every_served_read_is_certified_against_the_exact_keys(setup, tau, scope):
+    """soundness: true mass of what each read missed <= served bound <= tau, per (step, layer, row, head)."""
+    model, pre, _ = setup
+    gate, ev, out, exact, mine = run(setup, tau, scope=scope)
+    served = torch.stack([s["served"] for s in gate.steps])
+    truth = true_mass(gate, ev, exact, mine, pre.valid)
+    assert served.shape == truth.shape == (T - 1, 3, 2, 4)
+    assert bool((served <= tau).all())
+    assert bool((truth <= served * (1 + 1e-9) + 1e-12).all()), float((truth - served).max())
+    restored = torch.stack([s["restored"] for s in gate.steps])           # [T, L, B, Hkv]
+    assert bool((restored[1:] >= restored[:-1]).all())                   # a restored head stays restored
+    if scope == "layer":
+        assert bool((restored == restored[..., :1]).all())
+    if scope == "input":
+        assert bool((restored == restored[:, :1, :, :1]).all())
+
+
+def test_the_gate_has_teeth(setup):
+    """at tau = 1 some served reads miss more than 0.6 of the mass; at 0.6 none does, and some heads
+    (not all) were restored: the gate changes what is served where the bound says so."""
+    model, pre, _ = setup
+    gate, ev, _, exact, mine = run(setup, 1.0)
+    assert float(true_mass(gate, ev, exact, mine, pre.valid).max()) > 0.6
+    gate, ev, _, exact, mine = run(setup, 0.6)
+    assert float(true_mass(gate, ev, exact, mine, pre.valid).max()) <= 0.6
+    assert 0 < sum(gate.summary()["restored_heads"]) < 2 * 3 * 2
+
+
+def test_bytes(setup):
+    """resident bytes: kept slots and decode tokens at 4*D per token and KV head, the sketches of
+    heads not restored, the offloaded K+V of restored heads; full = every token."""
+    model, pre, _ = setup
+    gate, ev, _, _, _ = run(setup, 1.0)
+    L, Hkv, D = 3, 2, 32
+    res, full = gate.steps[-1]["resident_bytes"], gate.steps[-1]["full_bytes"]
+    n_real = pre.valid.sum(-1).double() + T - 1
+    assert torch.equal(full, n_real * L * Hkv * 4 * D)
+    kept = ev.kept_valid.sum(-1).double() + T - 1
+    sketch = sum(st["valid"].sum((1, 2)).double() * st["sketch"].nbytes / st["sketch"].valid.numel() for st in gate.layers)
+    assert torch.allclose(res, kept * L * Hkv * 4 * D + sketch)
+    assert bool((res < 0.8 * full).all())
+    gate, _, _, _, _ = run(setup, 0.0)
+    assert torch.allclose(gate.steps[-1]["resident_bytes"], gate.steps[-1]["full_bytes"])
+
+
+def test_bad_input_is_refused(setup):
+    model, pre, _ = setup
+    for bad in (-0.1, 1.5, float("nan"), float("inf"), True, "0.2", None):
+        with pytest.raises(ValueError, match="tau"):
+            EvictionGate(bad)
+    with pytest.raises(ValueError, match="scope"):
+        EvictionGate(0.2, scope="token")
+    mine = copy_prefill(pre, model.config)
+    gate = EvictionGate(0.2)
+    ev = evict(mine, make_evictor("snapkv:48"), witness=False, gate=gate)
+    with pytest.raises(ValueError, match="already holds"):
+        evict(copy_prefill(pre, model.config), make_evictor("snapkv:48"), witness=False, gate=gate)
+    with pytest.raises(ValueError, match="single-token"):
+        decode(model, mine, ev, max_new_tokens=4, question=torch.tensor([[5, 6], [7, 8]]))
+    with pytest.raises(ValueError, match="single-token"):
+        decode(model, mine, ev, max_new_tokens=4, evictor=make_evictor("streaming:48"), decode_every=2)
+    from fast.policies.page import Page
+    with pytest.raises(ValueError, match="without PAGE"):
+        evict(copy_prefill(pre, model.config), make_evictor("snapkv:48"), page=Page(0.1), gate=EvictionGate(0.2))
+    with pytest.raises(RuntimeError, match="outside a decode step"):
+        gate.read(0, torch.zeros(2, 4, 1, 32), torch.zeros(2, 2, 5, 32), torch.zeros(2, 2, 5, 32), 0.1)
+    gate.begin_step(ev.kept_valid)                                # a step in which no layer was read
+    with pytest.raises(RuntimeError, match="without the eviction gate"):
+        gate.end_step()
