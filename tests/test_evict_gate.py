@@ -49,7 +49,7 @@ def true_mass(gate, ev, exact, mine, valid):
             ok = torch.cat([valid, torch.ones(B, t + 1, dtype=torch.bool)], 1)
             gone = valid[:, None, :].expand(B, Hkv, N).clone()
             gone.scatter_(2, ev.keep[l], False)
-            gone &= ~step["restored"][l][..., None]                       # restored heads read everything
+            gone &= ~step["restored"][l]                                  # restored tokens are read again
             gone = torch.cat([gone, torch.zeros(B, Hkv, t + 1, dtype=torch.bool)], 2).repeat_interleave(rep, 1)
             x = torch.einsum("bhd,bhnd->bhn", step["query"][l].double(), k) / D ** 0.5
             x = x.masked_fill(~ok[:, None, :], -float("inf"))
@@ -69,13 +69,16 @@ def test_tau_one_is_plain_eviction_and_tau_zero_is_the_full_cache(setup):
     gate, _, out, _, _ = run(setup, 1.0)
     assert torch.allclose(out["logits"], plain["logits"], atol=1e-4)
     assert not bool(torch.stack([s["restored"] for s in gate.steps]).any())
+    assert sum(gate.summary()["evicted_tokens"]) == 3 * 2 * (120 - 48 + 90 - 48)
     assert (out["logits"] - full["logits"]).abs().max() > 0.1             # eviction does change this model
     gate, _, out, _, _ = run(setup, 0.0)
     assert torch.allclose(out["logits"], full["logits"], atol=1e-4)
-    assert bool(gate.steps[0]["restored"].all()) and gate.summary()["max_served_bound"] == 0
+    s = gate.summary()
+    assert s["restored_tokens"] == s["evicted_tokens"] and s["max_served_bound"] == 0
 
 
-@pytest.mark.parametrize("tau,scope", [(0.05, "head"), (0.3, "head"), (0.3, "layer"), (0.3, "input"), (1.0, "head")])
+@pytest.mark.parametrize("tau,scope", [(0.05, "tokens"), (0.3, "tokens"), (0.6, "tokens"), (0.3, "head"), (0.6, "layer"),
+                                       (0.6, "input"), (1.0, "tokens")])
 def test_every_served_read_is_certified_against_the_exact_keys(setup, tau, scope):
     """soundness: true mass of what each read missed <= served bound <= tau, per (step, layer, row, head)."""
     model, pre, _ = setup
@@ -85,12 +88,19 @@ def test_every_served_read_is_certified_against_the_exact_keys(setup, tau, scope
     assert served.shape == truth.shape == (T - 1, 3, 2, 4)
     assert bool((served <= tau).all())
     assert bool((truth <= served * (1 + 1e-9) + 1e-12).all()), float((truth - served).max())
-    restored = torch.stack([s["restored"] for s in gate.steps])           # [T, L, B, Hkv]
-    assert bool((restored[1:] >= restored[:-1]).all())                   # a restored head stays restored
-    if scope == "layer":
-        assert bool((restored == restored[..., :1]).all())
-    if scope == "input":
-        assert bool((restored == restored[:, :1, :, :1]).all())
+    restored = torch.stack([s["restored"] for s in gate.steps]).long()    # [T, L, B, Hkv, N] positions
+    assert bool((restored[1:] >= restored[:-1]).all())                   # a restored token stays restored
+    evicted = torch.stack([pre.valid[:, None, :].expand(2, 2, 120).clone().scatter_(2, keep, False)
+                           for keep in ev.keep]).long()                  # [L, B, Hkv, N]
+    assert bool((restored <= evicted).all())
+    dims = {"head": (-1,), "layer": (-2, -1)}.get(scope)
+    if dims:                                                             # all of the scope's tokens or none
+        n, tot = restored.sum(dims), evicted.sum(dims)
+        assert bool(((n == 0) | (n == tot)).all())
+    if scope == "input":          # a breach restores every layer of its row: the next step reads them all
+        hit = restored[:-1].sum((1, 3, 4)) > 0                           # [T-1, B]
+        whole = (restored[1:] == evicted).all(-1).all(-1).all(1)          # [T-1, B]
+        assert bool(hit.any()) and bool((whole | ~hit).all())
 
 
 def test_the_gate_has_teeth(setup):
@@ -101,7 +111,8 @@ def test_the_gate_has_teeth(setup):
     assert float(true_mass(gate, ev, exact, mine, pre.valid).max()) > 0.6
     gate, ev, _, exact, mine = run(setup, 0.6)
     assert float(true_mass(gate, ev, exact, mine, pre.valid).max()) <= 0.6
-    assert 0 < sum(gate.summary()["restored_heads"]) < 2 * 3 * 2
+    s = gate.summary()
+    assert 0 < sum(s["restored_tokens"]) < 0.5 * sum(s["evicted_tokens"])
 
 
 def test_bytes(setup):
@@ -117,6 +128,11 @@ def test_bytes(setup):
     sketch = sum(st["valid"].sum((1, 2)).double() * st["sketch"].nbytes / st["sketch"].valid.numel() for st in gate.layers)
     assert torch.allclose(res, kept * L * Hkv * 4 * D + sketch)
     assert bool((res < 0.8 * full).all())
+    gate, _, _, _, _ = run(setup, 0.6)                                    # some tokens back: their K+V, not their sketch
+    back = gate.steps[-1]["restored"].sum((0, 2, 3)).double()
+    out = sum(st["valid"].sum((1, 2)).double() for st in gate.layers) - back
+    per_slot = gate.layers[0]["sketch"].nbytes / gate.layers[0]["sketch"].valid.numel()
+    assert torch.allclose(gate.steps[-1]["resident_bytes"], kept * L * Hkv * 4 * D + back * 4 * D + out * per_slot)
     gate, _, _, _, _ = run(setup, 0.0)
     assert torch.allclose(gate.steps[-1]["resident_bytes"], gate.steps[-1]["full_bytes"])
 

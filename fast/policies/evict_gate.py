@@ -1,8 +1,8 @@
 """The certified eviction gate (issue 22 item 3): evict, and serve an evicted read only where its
-certificate says TV <= tau; elsewhere restore the evicted tokens from an offload tier first.
+certificate says TV <= tau; elsewhere bring evicted tokens back from an offload tier first.
 
-    gate = EvictionGate(0.05)                         # scope="head": per (row, layer, KV head)
-    ev = evict(pre, make_evictor("snapkv:192"), gate=gate)
+    gate = EvictionGate(0.2)                          # scope="tokens": the fewest tokens back
+    ev = evict(pre, make_evictor("streaming:48"), gate=gate)
     out = decode(model, pre, ev, max_new_tokens=32)   # every single-token read goes through the gate
     gate.summary()                                    # reads, restores, resident bytes
 
@@ -12,24 +12,32 @@ resident is an int8 key sketch of each evicted key (`fast.core.pagebox.build_key
 plus the band witness measured against the exact key, no value).
 
 On every decode read of layer l, and before it is served, the gate bounds each query head's
-evicted attention mass from the resident data only:
-  - L: a lower bound on log Z_K over the kept keys (`log_z_kept_lower`, exact keys);
-  - X: an upper bound on Z_E over the sketch's one-token boxes (T7l, T7j);
-  - TV(p, p^K) = p(E) <= X / (L + X) (T7a, T7b, T7k).
-Where this bound exceeds tau for a query head, its KV head is restored: the offloaded keys and
-values rejoin it, and it stays restored for the rest of the generation. scope="layer" restores
-the row's whole layer, and scope="input" the row's whole cache. A restored head reads every token
-the prompt and the decode wrote, so its read is the full one (TV 0). Every read served therefore
-has certified TV <= tau: the bound where the head stayed evicted, 0 where it was restored.
+missed attention mass from resident data only:
+  - L: a lower bound on log Z_K over the kept keys and the restored ones (`log_z_kept_lower`,
+    exact keys);
+  - X: an upper bound on Z_E over the sketch's one-token boxes of the tokens still out (T7l, T7j);
+  - TV(p, p^K) = p(E) <= X / (L + X) (T7a, T7b, T7k; any partition of the tokens into read and
+    not read).
+Where the bound exceeds tau for a query head, tokens of its KV head come back from the offload
+tier and stay resident for the rest of the generation:
+  - scope="tokens": those with the largest sketch upper logits, as few as bring the bound of the
+    rest to <= tau;
+  - "head": all of the KV head's evicted tokens;
+  - "layer": the row's whole layer;
+  - "input": the row's whole cache.
+The bound is then recomputed for the set actually read, and that is the bound served. If
+rounding at the edge leaves it above tau, the whole KV head comes back (TV 0). So every read
+served has certified TV <= tau.
 
-The read itself is computed here in fp32 (softmax over the kept slots, plus the offloaded ones of
-the restored heads), not by the model's attention. Reads with more than one query (a question
-prefilled over the evicted cache) are not certified by this gate, so decode refuses them.
-Quantized kept keys (CertifiedCache) are refused as well: this gate assumes L is computed from
-exact keys.
+The read itself is computed here in fp32 (softmax over the kept slots and the restored tokens),
+not by the model's attention. Reads with more than one query (a question prefilled over the
+evicted cache) are not certified by this gate, so decode refuses them. Quantized kept keys
+(CertifiedCache) are refused as well, because L here comes from exact keys.
 
 Bytes are counted at fp16 for K+V, 4*D bytes per token and KV head, so rows compare with
-evict_eval: the kept slots, the sketches of heads not restored, the offloaded K+V of restored heads.
+evict_eval. Resident: the kept slots and decode tokens, the restored tokens, and the sketches of
+the tokens still out. In this implementation the offloaded tensors share the process's memory
+(the tier is simulated, with its bytes counted apart), and the sketch is decoded at every read.
 """
 
 import math
@@ -37,29 +45,32 @@ import math
 import torch
 
 from fast.core.evict import log_z_kept_lower, tv_from_log_odds
-from fast.core.pagebox import build_key_sketch, pagebox_log_odds
+from fast.core.pagebox import box_upper, build_key_sketch, pagebox_log_odds
 
-SCOPES = ("head", "layer", "input")
+SCOPES = ("tokens", "head", "layer", "input")
+MARGIN = 1e-6   # the restore choice aims this many nats below tau; the bound served is recomputed anyway
 
 
 class EvictionGate:
     """Per-read certified gate over an evicted cache; see the module docstring.
 
-    tau in [0, 1]: the largest certified TV served; scope: what a breach restores (head, layer,
-    input); sketch: the per-token codec of the resident key sketch (int8, int4, fp8_e4m3, fp8_e5m2);
-    keep_queries: also record every read's queries (an independent truth can then be computed
-    from exact keys: benchmarks.evict_gate, tests)."""
+    tau in [0, 1]: the largest certified TV served. scope: what a breach restores: "tokens" (the
+    evicted tokens of the breaching KV head with the largest sketch upper logits, fewest first,
+    until the bound of what stays out is <= tau), "head" (all of that KV head's evicted tokens),
+    "layer" (the row's layer), "input" (the row's whole cache). sketch: the per-token codec of the
+    resident key sketch (int8, int4, fp8_e4m3, fp8_e5m2). keep_queries: also record every read's
+    queries (an independent truth can then be computed from exact keys: benchmarks.evict_gate, tests)."""
 
-    def __init__(self, tau, *, scope="head", sketch="int8", num_bands=8, keep_queries=False):
+    def __init__(self, tau, *, scope="tokens", sketch="int8", num_bands=8, keep_queries=False):
         if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau) or not 0 <= tau <= 1:
             raise ValueError(f"tau must be a number in [0, 1], got {tau!r}")
         if scope not in SCOPES:
             raise ValueError(f"scope must be one of {', '.join(SCOPES)}, got {scope!r}")
         self.tau, self.scope, self.sketch_scheme, self.num_bands = float(tau), scope, sketch, num_bands
         self.keep_queries = keep_queries
-        self.layers = []          # per layer: dict(index, valid, keys, values, sketch, restored)
+        self.layers = []          # per layer: index, valid, keys, values [B, Hkv, E, .], sketch, restored [B, Hkv, E]
         self.valid_now = None     # [B, Nk] the kept layout and the decode tokens (set by decode)
-        self.steps = []           # per decode step: dict of [L, B, H] / [L, B, Hkv] tensors
+        self.steps = []           # per decode step: dict of [L, B, ...] tensors
         self._step = None
         self.head_dim = None
 
@@ -79,8 +90,8 @@ class EvictionGate:
         take = lambda t: t.gather(2, idx[..., None].expand(-1, -1, -1, t.shape[-1])).clone()
         bands = rope_bands(D, self.num_bands, "rotate_half")
         sketch = build_key_sketch(keys, idx, bands, scheme=self.sketch_scheme, evict_valid=ok) if bool(ok.any()) else None
-        self.layers.append({"valid": ok, "keys": take(keys), "values": take(values), "sketch": sketch,
-                            "restored": torch.zeros(B, Hkv, dtype=torch.bool)})
+        self.layers.append({"index": idx, "valid": ok, "keys": take(keys), "values": take(values), "sketch": sketch,
+                            "n_prefill": N, "restored": torch.zeros_like(ok)})
 
     # ------------------------------------------------------------ decode time
 
@@ -96,35 +107,83 @@ class EvictionGate:
             raise RuntimeError("EvictionGate.read outside a decode step (decode drives the gate)")
         st = self.layers[layer]
         q = query[:, :, 0]
-        B, H, D = q.shape
-        Hkv = key.shape[1]
-        rep = H // Hkv
         with torch.no_grad():
-            if st["sketch"] is None:                         # nothing evicted in this layer: TV = 0 (T7a)
-                bound = torch.zeros(B, H, dtype=torch.float64)
+            bound, upper = self._bound(q, key, st, scale)
+            if bool(bound.gt(self.tau).any()):
+                self._restore(layer, q, bound, upper, key, scale)
+                served, _ = self._bound(q, key, st, scale)
+                still = self._by_kv(served > self.tau)      # rounding at the edge: the whole KV head comes back
+                if bool(still.any()):
+                    st["restored"] |= still[..., None] & st["valid"]
+                    served, _ = self._bound(q, key, st, scale)
             else:
-                lz = log_z_kept_lower(q, key, scale, valid=self.valid_now)
-                bound = tv_from_log_odds(pagebox_log_odds(q, st["sketch"].boxes(), lz, scale)).double()
-            if not bool(torch.isfinite(bound).all()):
-                raise ValueError(f"layer {layer}: the eviction certificate is not finite (NaN/Inf in the query or keys)")
-            breach = (bound > self.tau).view(B, Hkv, rep).any(-1)           # [B, Hkv]
-            self._restore(layer, breach)
-            restored = st["restored"]
-            served = torch.where(restored.repeat_interleave(rep, 1), torch.zeros_like(bound), bound)
+                served = bound
             out = _read(q, key, value, self.valid_now, st, scale)
-        self._step[layer] = {"bound": bound, "served": served, "restored": restored.clone(),
+        pos = torch.zeros(st["index"].shape[:2] + (st["n_prefill"],), dtype=torch.bool)
+        pos.scatter_(2, st["index"], st["restored"] & st["valid"])
+        self._step[layer] = {"bound": bound, "served": served, "restored": pos,
                              **({"query": q.detach().float().clone()} if self.keep_queries else {})}
         return out
 
-    def _restore(self, layer, breach):
-        if self.scope == "layer":
-            breach = breach.any(-1, keepdim=True).expand_as(breach)
-        if self.scope == "input":
-            rows = breach.any(-1)
-            for st in self.layers:                       # every layer of the row, from this read on
-                st["restored"] |= rows[:, None]
-        else:
-            self.layers[layer]["restored"] |= breach
+    def _by_kv(self, per_query_head):
+        """[B, H] -> [B, Hkv]: any query head of the KV head."""
+        B, H = per_query_head.shape
+        Hkv = self.layers[0]["valid"].shape[1]
+        return per_query_head.view(B, Hkv, H // Hkv).any(-1)
+
+    def _bound(self, q, key, st, scale):
+        """(certified TV [B, H] of the read over the kept slots and the restored tokens, the sketch's
+        upper logits [B, H, E] or None). L over kept and restored exact keys, X over the sketch of
+        the tokens still out (T7l, T7j, T7k)."""
+        B, H, _ = q.shape
+        if st["sketch"] is None:                             # nothing evicted in this layer: TV = 0 (T7a)
+            return torch.zeros(B, H, dtype=torch.float64), None
+        Hkv, Nk = key.shape[1], key.shape[2]
+        out = st["valid"] & ~st["restored"]
+        ok = torch.cat([self.valid_now[:, None, :].expand(B, Hkv, Nk), st["valid"] & st["restored"]], 2)
+        lz = log_z_kept_lower(q, torch.cat([key, st["keys"].to(key.dtype)], 2), scale, valid=ok)
+        boxes = st["sketch"].boxes()
+        upper = box_upper(q, boxes, float(scale))           # [B, H, E], checked by pagebox_log_odds below
+        boxes.counts = out.to(torch.int32)
+        bound = tv_from_log_odds(pagebox_log_odds(q, boxes, lz, scale)).double()
+        if not bool(torch.isfinite(bound).all()):
+            raise ValueError("the eviction certificate is not finite (NaN/Inf in the query or keys)")
+        return bound, (upper, lz)
+
+    def _restore(self, layer, q, bound, upper, key, scale):
+        """Bring tokens back from the offload tier where the bound exceeds tau."""
+        st = self.layers[layer]
+        breach = bound > self.tau                            # [B, H]
+        kv = self._by_kv(breach)
+        if self.scope == "tokens":
+            st["restored"] |= self._fewest(st, breach, *upper) & st["valid"]
+        elif self.scope == "head":
+            st["restored"] |= kv[..., None] & st["valid"]
+        elif self.scope == "layer":
+            st["restored"] |= kv.any(-1)[:, None, None] & st["valid"]
+        else:                                                # every layer of the row, from this read on
+            rows = kv.any(-1)[:, None, None]
+            for other in self.layers:
+                other["restored"] |= rows & other["valid"]
+
+    def _fewest(self, st, breach, a, lz):
+        """[B, Hkv, E]: per breaching query head, the tokens still out with the largest upper logits,
+        as few as make sum of e^a over the rest <= tau/(1 - tau) L (L from the current resident set;
+        the restored tokens only raise it); the union over the query heads of each KV head."""
+        B, H, E = a.shape
+        Hkv = st["valid"].shape[1]
+        rep = H // Hkv
+        out = (st["valid"] & ~st["restored"]).repeat_interleave(rep, 1)
+        a = a.masked_fill(~out, -float("inf"))
+        order = a.argsort(-1, descending=True)
+        sa = a.gather(-1, order)
+        tail = sa.flip(-1).logcumsumexp(-1).flip(-1)         # tail[m] = log sum_{i >= m} e^{sa_i}
+        target = (math.log(self.tau / (1 - self.tau)) if 0 < self.tau < 1 else -math.inf) + lz - MARGIN
+        m = (tail > target[..., None]).sum(-1)               # the tail sums decrease: the first m fail
+        m = torch.where(breach, m, torch.zeros_like(m))
+        pick = torch.zeros_like(out)
+        pick.scatter_(-1, order, torch.arange(E).expand(B, H, E) < m[..., None])
+        return pick.view(B, Hkv, rep, E).any(2)
 
     def end_step(self):
         """decode calls this after each forward; refuses a step in which a layer was not read through the gate."""
@@ -140,46 +199,46 @@ class EvictionGate:
     # ------------------------------------------------------------ accounting
 
     def nbytes(self):
-        """(resident, full) bytes per row [B] now, K+V at fp16: the kept slots and decode tokens,
-        the sketches of heads not restored, the offloaded K+V of restored heads; full = every token."""
+        """(resident, full) bytes per row [B] now, K+V at fp16: the kept slots and decode tokens, the
+        restored tokens' K+V, the sketches of the tokens still out; full = every token."""
         per_token = 4 * self.head_dim                   # fp16 K + V of one token of one KV head
         kept = self.valid_now.sum(-1).double()          # [B] real kept slots and decode tokens
         resident = torch.zeros_like(kept)
         full = torch.zeros_like(kept)
         for st in self.layers:
-            n_ev = st["valid"].sum(-1).double()         # [B, Hkv] real evicted tokens
-            Hkv = n_ev.shape[1]
+            Hkv = st["valid"].shape[1]
             sk = st["sketch"]
             per_slot = sk.nbytes / sk.valid.numel() if sk is not None else 0.0
-            back = st["restored"].double()
-            resident += kept * Hkv * per_token + (n_ev * (back * per_token + (1 - back) * per_slot)).sum(-1)
-            full += (kept * Hkv + n_ev.sum(-1)) * per_token
+            back = (st["valid"] & st["restored"]).sum((1, 2)).double()
+            out = (st["valid"] & ~st["restored"]).sum((1, 2)).double()
+            resident += kept * Hkv * per_token + back * per_token + out * per_slot
+            full += (kept * Hkv + back + out) * per_token
         return resident, full
 
     def summary(self):
-        """Reads, breaches and bytes of the generation so far (per row lists where B > 1)."""
+        """Reads, restores and bytes of the generation so far (per row lists where B > 1)."""
         if not self.steps:
             return {"tau": self.tau, "scope": self.scope, "reads": 0}
         served = torch.stack([s["served"] for s in self.steps])           # [T, L, B, H]
         bound = torch.stack([s["bound"] for s in self.steps])
-        last = self.steps[-1]
+        back = self.steps[-1]["restored"]                                 # [L, B, Hkv, N]
+        evicted = sum(st["valid"].sum((1, 2)) for st in self.layers)
         ratio = torch.stack([s["resident_bytes"] / s["full_bytes"] for s in self.steps])   # [T, B]
         return {"tau": self.tau, "scope": self.scope, "sketch": self.sketch_scheme,
-                "reads": int(served[..., 0].numel()),
+                "reads": int(served[..., 0].numel()) * served.shape[-1],
                 "max_served_bound": float(served.max()), "max_bound_before_gate": float(bound.max()),
-                "restored_heads": last["restored"].sum((0, 2)).tolist(),
-                "heads": int(last["restored"][:, 0].numel()),
+                "restored_tokens": back.sum((0, 2, 3)).tolist(), "evicted_tokens": evicted.tolist(),
                 "resident_over_full_mean": ratio.mean(0).tolist(), "resident_over_full_last": ratio[-1].tolist()}
 
 
 def _read(q, key, value, valid_now, st, scale):
-    """softmax attention over the kept slots and, for restored heads, the offloaded tokens (fp32)."""
+    """softmax attention over the kept slots and the restored tokens (fp32)."""
     B, H, D = q.shape
     Hkv, Nk = key.shape[1], key.shape[2]
     rep = H // Hkv
     kk = torch.cat([key.float(), st["keys"].float()], 2).repeat_interleave(rep, 1)
     vv = torch.cat([value.float(), st["values"].float()], 2).repeat_interleave(rep, 1)
-    mask = torch.cat([valid_now[:, None, :].expand(B, Hkv, Nk), st["valid"] & st["restored"][..., None]], 2)
+    mask = torch.cat([valid_now[:, None, :].expand(B, Hkv, Nk), st["valid"] & st["restored"]], 2)
     x = float(scale) * torch.einsum("bhd,bhnd->bhn", q.float(), kk)
     x = x.masked_fill(~mask.repeat_interleave(rep, 1), -float("inf"))
     out = torch.einsum("bhn,bhnd->bhd", torch.softmax(x, -1), vv)
