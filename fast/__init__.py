@@ -28,6 +28,7 @@ _LAZY = {
     "ModelMissing": ("fast.integrations.model", "ModelMissing"),
     "load_smollm2": ("fast.integrations.model", "load_smollm2"),
     "EVICTORS": ("fast.policies.evictors", "EVICTORS"),
+    "EvictionGate": ("fast.policies.evict_gate", "EvictionGate"),
     "Evictor": ("fast.policies.evictors", "Evictor"),
     "generate": ("fast.policies.evictors", "generate"),
     "make_evictor": ("fast.policies.evictors", "make_evictor"),

@@ -21,8 +21,12 @@ def coq_decls(path):
 
 
 def resolve_python(dotted):
+    """'pkg.module:name' or 'pkg.module:Class.method' -> the object."""
     module, _, name = dotted.partition(":")
-    return getattr(importlib.import_module(module), name)
+    obj = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def test_ids_are_unique_and_ordered():

@@ -759,12 +759,14 @@ def generate(model, input_ids, attention_mask=None, *, evictor=None, page=None, 
     (attention-free methods: streaming, knorm, random, epikv; long generations).
     Returns a dict: tokens [B, T], eviction (Eviction or None), trace (per step: log_odds and bound
     [L, B, H]; in shadow mode also the true evicted mass), prefill (the Prefill, its cache shrunk).
-    gate: an EvictionGate (fast.policies.evict_gate): every decode read certified at TV <= its tau."""
+    gate: an EvictionGate (fast.policies.evict_gate): every decode read certified at TV <= its tau
+    (its records in gate.steps, gate.summary(); the group-witness trace is then not computed)."""
     needs = _needs(evictor, page) if evictor is not None else set()
     pre = prefill(model, input_ids, attention_mask, needs=needs, cache=cache)
     ev = None
     if evictor is not None:
-        ev = evict(pre, evictor, page=page, witness=certify, group_size=group_size, shadow=shadow, gate=gate)
+        ev = evict(pre, evictor, page=page, witness=certify and gate is None, group_size=group_size, shadow=shadow,
+                   gate=gate)
     return decode(model, pre, ev, max_new_tokens=max_new_tokens, certify=certify, shadow=shadow,
                   eos_token_id=eos_token_id, evictor=evictor if decode_every else None,
                   decode_every=decode_every, group_size=group_size)
@@ -792,7 +794,7 @@ def decode(model, pre, ev, *, max_new_tokens=16, certify=True, shadow=False, eos
     valid_now = ev.kept_valid if evicted else pre.valid
     next_pos = pre.valid.sum(-1)                                   # [B] RoPE position of the next token
     tok = pre.logits.argmax(-1)
-    cert = Certifier(ev, pre.valid, shadow, pre.cache) if (evicted and certify) else None
+    cert = Certifier(ev, pre.valid, shadow, pre.cache) if (evicted and certify and gate is None) else None
     if question is not None:
         valid_now, next_pos, first = _prefill_question(model, pre.cache, question, question_mask, valid_now, next_pos)
         tok = first.argmax(-1)
