@@ -241,9 +241,21 @@ def test_vllm_output_matches_torch_reference(shadow_run):
 def test_vllm_gate_repairs_from_the_exact_store(tiny):
     """property: certified:TAU repairs the heads whose bound exceeds TAU and serves them exactly
     from then on (served bound 0, true TV 0 there); the side store's bytes are counted."""
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
     llm = _engine(tiny, codec="fp8_e5m2", shadow=True, gate="certified:0.05")
     _generate(llm, n=8)
     parts = collect(llm)
+    # per request (SamplingParams.extra_args kvcert_tau), two requests in one batch: each its own threshold
+    params = [SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, extra_args=x)
+              for x in ({"kvcert_tau": 1.0}, {"kvcert_tau": 0.0}, None)]
+    loose, strict, plain = (o.kvcert for o in generate(llm, [{"prompt_token_ids": p} for p in PROMPTS[:3]], params))
+    assert loose["tau"] == 1.0 and loose["repairs"] == 0 and loose["max_bound"] == loose["max_pre_gate"] > 0
+    assert strict["tau"] == 0.0 and strict["repairs"] == 2 * 2 and strict["max_bound"] == 0.0  # 2 layers x 2 KV heads
+    assert plain["tau"] == 0.05 and all(s["violations"] == 0 for s in (loose, strict, plain))
+    for bad in (2.0, "x", True, float("nan")):
+        with pytest.raises(VLLMValidationError, match="kvcert_tau"):
+            llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=2, extra_args={"kvcert_tau": bad}))
     del llm
     summ = summaries(parts)
     assert sum(s["repairs"] for s in summ.values()) > 0
@@ -254,6 +266,20 @@ def test_vllm_gate_repairs_from_the_exact_store(tiny):
     for r in recs:  # once repaired, a head's later reads are served with bound 0
         rep = np.repeat(np.asarray(r["repaired"]), 2)
         assert (np.asarray(r["served"])[:, rep] == 0).all()
+
+
+def test_request_tau_is_checked():
+    """request_tau: None without the argument, the number in [0, 1] (JSON strings of numbers too), else
+    one line naming kvcert_tau; refused on a server without a gate."""
+    from fast.integrations.vllm import Config, request_tau
+    gated = Config({"KVCERT_VLLM": "1", "KVCERT_GATE": "certified:0.2"})
+    assert request_tau(None, gated) is None and request_tau({"other": 1}, gated) is None
+    assert request_tau({"kvcert_tau": 0}, gated) == 0.0 and request_tau({"kvcert_tau": "0.5"}, gated) == 0.5
+    for bad in (True, -1e-9, 1.0000001, float("inf"), "nan", "abc", [0.1], None):
+        with pytest.raises(ValueError, match="kvcert_tau"):
+            request_tau({"kvcert_tau": bad}, gated)
+    with pytest.raises(ValueError, match="KVCERT_GATE=certified"):
+        request_tau({"kvcert_tau": 0.1}, Config({"KVCERT_VLLM": "1"}))
 
 
 def test_vllm_fault_is_flagged_and_repaired(tiny):

@@ -135,6 +135,27 @@ def test_vllm_serve_metrics_count_the_certified_reads(server):
     assert values.get("kvcert_bound_count", 0) > 0 and "kvcert_repairs_total" in values, values
 
 
+def test_vllm_serve_takes_each_requests_gate_threshold(server):
+    """vllm_xargs {"kvcert_tau": T} replaces the server's 0.2 for that request only: at 1 nothing is repaired
+    and the bound served is the bound before the gate; at 0 every KV head with a nonzero bound is repaired
+    and every read is served exact (bound 0); bad values are refused at admission (HTTP 400) and the server
+    keeps serving; a request without it runs at the server's 0.2."""
+    def ask(xargs, prompt=tuple(range(3, 40))):
+        return httpx.post(server["url"] + "/v1/completions", timeout=120, json={
+            "model": server["model"], "prompt": list(prompt), "max_tokens": 3, "temperature": 0.0,
+            "ignore_eos": True, **({"vllm_xargs": xargs} if xargs is not None else {})})
+    loose = ask({"kvcert_tau": 1.0}).json()["kv_transfer_params"]["kvcert"]
+    assert loose["tau"] == 1.0 and loose["repairs"] == 0 and loose["max_bound"] == loose["max_pre_gate"] > 0, loose
+    strict = ask({"kvcert_tau": 0}).json()["kv_transfer_params"]["kvcert"]
+    assert strict["tau"] == 0.0 and strict["repairs"] == LAYERS * 2 and strict["max_bound"] == 0.0, strict  # 2 KV heads
+    assert strict["max_pre_gate"] > 0 and "tau_error" not in strict
+    for bad in (1.5, -0.1, "x", "nan", [0.1]):
+        r = ask({"kvcert_tau": bad})
+        assert r.status_code == 400 and "kvcert_tau" in r.text, (bad, r.status_code, r.text)
+    plain = ask(None).json()["kv_transfer_params"]["kvcert"]
+    assert plain["tau"] == 0.2, plain
+
+
 def test_vllm_serve_shuts_down_cleanly(server):
     proc = server["proc"]
     proc.send_signal(signal.SIGINT)  # what Ctrl-C sends

@@ -33,6 +33,12 @@ Online serving (`vllm serve`): the same switch; two documented vLLM extension po
 - PROMETHEUS_MULTIPROC_DIR set (prometheus_client's multiprocess mode, which vLLM's /metrics reads;
   vLLM sets it itself with --api-server-count > 1): the worker's counters kvcert_certified_reads_total,
   kvcert_repairs_total and the histogram kvcert_bound appear on /metrics.
+- A request's own gate threshold: SamplingParams.extra_args {"kvcert_tau": T} (in `vllm serve`, the request
+  field "vllm_xargs": {"kvcert_tau": T}) replaces the server's TAU for that request (the server must run
+  certified:TAU). It is checked at admission by KVCertRequestArgs, a logits processor that changes no logit,
+  through its validate_params; the plugin adds it to model_config.logits_processors when the engine
+  configuration is built. A bad value gets HTTP 400 (LLM.generate: VLLMValidationError). The summary names the tau
+  applied.
     KVCERT_VLLM=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 PROMETHEUS_MULTIPROC_DIR=$(mktemp -d)
         vllm serve MODEL --dtype float32 --kv-transfer-config "$(...CONNECTOR_CONFIG...)"   (one command line)
 
@@ -168,6 +174,29 @@ def parse_fault(text, name="KVCERT_FAULT"):
     return f
 
 
+TAU_ARG = "kvcert_tau"
+
+
+def request_tau(extra_args, cfg):
+    """The gate threshold a request asks for (SamplingParams.extra_args["kvcert_tau"], `vllm serve`'s
+    vllm_xargs), or None for the server's; ValueError (one line) when it is not a number in [0, 1] or the
+    server runs no gate (without the exact side store nothing can be repaired)."""
+    if not extra_args or TAU_ARG not in extra_args:
+        return None
+    v = extra_args[TAU_ARG]
+    if isinstance(v, str):
+        try:
+            v = float(v)
+        except ValueError:
+            pass
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 0 <= v <= 1):
+        raise ValueError(f"kvcert: {TAU_ARG}={extra_args[TAU_ARG]!r}: expected a number in [0, 1]")
+    if not (cfg.enabled and cfg.gate.kind == "certified"):
+        raise ValueError(f"kvcert: {TAU_ARG} needs a server started with KVCERT_GATE=certified:TAU (this one runs "
+                         f"{'no gate' if cfg.enabled else 'without the plugin'})")
+    return float(v)
+
+
 def check_engine(cfg, *, dtype, kv_cache_dtype, head_size, attn_type="decoder"):
     """Start-up checks shared by make_llm, the engine configuration (check_vllm_config, main process, before
     any engine process starts) and the backend impl (workers)."""
@@ -222,7 +251,7 @@ _MAKE_LLM = False
 
 def _new_summary():
     return {"rows": 0, "reads": 0, "max_bound": 0.0, "max_pre_gate": 0.0, "sum_bound": 0.0, "repairs": 0,
-            "repaired_heads": [], "violations": 0, "max_true_tv": 0.0}
+            "repaired_heads": [], "violations": 0, "max_true_tv": 0.0, "tau": None}
 
 
 class _State:
@@ -291,6 +320,19 @@ class _State:
         for rid in [r for r in self.repaired if external_id(r) in ids]:
             del self.repaired[rid]
         return out
+
+    def tau_of(self, rid, cfg, s):
+        """The gate threshold of request rid: its kvcert_tau, else the server's. A value that reaches the
+        worker unchecked (KVCertRequestArgs not loaded) and is bad is served at tau 0 (every head with a
+        nonzero bound repaired: stricter, never looser) and named in the summary (tau_error)."""
+        req = (getattr(self.runner, "requests", None) or {}).get(rid)
+        extra = getattr(getattr(req, "sampling_params", None), "extra_args", None)
+        try:
+            tau = request_tau(extra, cfg)
+        except ValueError as e:
+            s["tau_error"] = str(e)
+            tau = 0.0
+        return cfg.gate.tau if tau is None else tau
 
     def req_ids(self, n):
         runner = self.runner
@@ -533,8 +575,10 @@ def _backend_classes():
             if rep is None:
                 rep = reps[lidx] = torch.zeros(Hkv, dtype=torch.bool)
             fresh = []
+            s = STATE.summary_of(e["request"])
             if cfg.gate.kind == "certified":
-                over = bound.view(T, Hkv, G).amax(dim=(0, 2)) > cfg.gate.tau
+                s["tau"] = tau = STATE.tau_of(e["request"], cfg, s)
+                over = bound.view(T, Hkv, G).amax(dim=(0, 2)) > tau
                 fresh = (over & ~rep).nonzero().flatten().tolist()
                 rep |= over
             served = bound.clone() if self.exact_k is not None else bound  # only the gate's repairs change it
@@ -552,7 +596,6 @@ def _backend_classes():
                     kt, _ = self._views(e["kv"])
                     k = kt[blocks].permute(1, 0, 3, 2).reshape(Hkv, -1, D)[:, :N]  # [Hkv, N, D] as stored
                     true_tv = _true_tv(q, ek, k, pos, self.scale, rep)  # [T, H]
-            s = STATE.summary_of(e["request"])
             s["rows"] += T
             s["reads"] += T * H
             top = float(bound.max())
@@ -724,6 +767,9 @@ def register():
                     check_vllm_config(config(), vc)
                 except ValueError as e:
                     _refuse(e)
+                procs = vc.model_config.logits_processors or []
+                if ARGS_PROCESSOR not in procs:  # kvcert_tau checked at admission: HTTP 400, LLM: ValueError
+                    vc.model_config.logits_processors = [*procs, ARGS_PROCESSOR]
             return vc
 
         EngineArgs.create_engine_config = create_engine_config
@@ -768,7 +814,44 @@ def __getattr__(name):  # KVCertBackend / KVCertImpl / KVCertConnector are built
     if name == "KVCertConnector":
         globals()[name] = _connector_class()
         return globals()[name]
+    if name == "KVCertRequestArgs":
+        globals()[name] = _args_class()
+        return globals()[name]
     raise AttributeError(name)
+
+
+ARGS_PROCESSOR = f"{__name__}:KVCertRequestArgs"
+
+
+def _args_class():
+    """A logits processor that changes no logit: vLLM calls its validate_params on every request at
+    admission (v1 InputProcessor), so a bad kvcert_tau is refused there (HTTP 400 in `vllm serve`, a
+    VLLMValidationError from LLM.generate) instead of reaching the worker. The plugin adds it to
+    model_config.logits_processors when it builds the engine configuration."""
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+
+    class KVCertRequestArgs(LogitsProcessor):
+        @classmethod
+        def validate_params(cls, sampling_params):
+            from vllm.exceptions import VLLMValidationError
+            try:
+                request_tau(sampling_params.extra_args, config())
+            except ValueError as e:
+                raise VLLMValidationError(str(e), parameter=TAU_ARG) from None
+
+        def __init__(self, vllm_config, device, is_pin_memory):
+            pass
+
+        def apply(self, logits):
+            return logits
+
+        def is_argmax_invariant(self):
+            return True
+
+        def update_state(self, batch_update):
+            pass
+
+    return KVCertRequestArgs
 
 
 CONNECTOR = "KVCertConnector"
@@ -966,7 +1049,7 @@ def summaries(parts):
         for rid, s in part["summary"].items():
             rid = external_id(rid)
             m = out.setdefault(rid, {"rows": 0, "reads": 0, "max_bound": 0.0, "max_pre_gate": 0.0, "sum_bound": 0.0, "repairs": 0,
-                                     "repaired_heads": [], "violations": 0, "max_true_tv": 0.0})
+                                     "repaired_heads": [], "violations": 0, "max_true_tv": 0.0, "tau": None})
             m["rows"] = max(m["rows"], s["rows"])
             m["reads"] += s["reads"]
             m["max_bound"] = max(m["max_bound"], s["max_bound"])
@@ -976,6 +1059,9 @@ def summaries(parts):
             m["repaired_heads"] += s["repaired_heads"]
             m["violations"] += s["violations"]
             m["max_true_tv"] = max(m["max_true_tv"], s["max_true_tv"])
+            m["tau"] = s.get("tau") if m["tau"] is None else m["tau"]
+            if "tau_error" in s:
+                m["tau_error"] = s["tau_error"]
     for m in out.values():
         m["mean_bound"] = m["sum_bound"] / max(1, m["reads"])
     return out
