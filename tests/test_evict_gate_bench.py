@@ -22,6 +22,9 @@ def test_harness_on_smollm2(tmp_path):
         run = rec["runs"]["streaming@48/0.3"]
         assert run["restored_tokens"] <= run["evicted_tokens"] and run["max_served"] <= 0.3
     assert data["readme_tables"][0]["rows"][0][0] == "streaming@48"
+    table_before = data["readme_tables"]
+    assert main(["--resummarize", str(out)]) == 0                    # the same rows again from the records
+    assert json.loads(out.read_text())["readme_tables"] == table_before
 
 
 def rec(i, full, ok, drop):
@@ -37,12 +40,13 @@ def test_summary_compares_page_blind_and_the_full_cache():
     records = [rec(0, 1, 1, 0.5), rec(1, 1, 1, 0.5), rec(2, 1, 1, 0.0), rec(3, 0, 0, 0.0)]
     labels = {}
     for i, (full, alone, drop) in enumerate([(1, 1, 0.5), (1, 0, 0.5), (1, 0, 0.0), (0, 0, 0.0)]):
-        labels[("passkey", "synthetic", i, 0.5)] = {"full": full, "page_drop": {"96": drop},
+        labels[("passkey", "synthetic", i, 0.5)] = {"full": full, "page_drop": {"96": drop}, "tokens": 384,
                                                     "runs": {"x@96": {"ok": alone}}}
     (row,) = summarize(records, ["x@96"], [0.2], (labels, {"96": 0.3}))
     assert row["accuracy"] == 0.75 and row["p_vs_full"] == 1 and row["lost"] == 0
     assert row["alone_accuracy"] == 0.25
     assert row["page"]["evicts"] == 2 and row["page"]["accuracy"] == 0.5          # input 1 lost
+    assert row["page"]["bytes_over_full_mean"] == (0.25 + 0.25 + 1 + 1) / 4
     assert row["blind_expected_accuracy"] == pytest.approx((0.5 * 1 + 0.5 * 1) / 4 + 0.5 / 4 + 0.5 / 4)
     assert row["restored_share"] == 0.25 and row["labels_match"]
     assert table([row], 0.75, 4)["rows"][0][2].startswith("0.75")
