@@ -55,7 +55,7 @@ def server(tmp_path_factory):
     cmd = [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", model, "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--enforce-eager", "--skip-tokenizer-init",
            "--kv-cache-memory-bytes", str(16 << 20), "--max-model-len", "256", "--block-size", "32",
-           "--kv-transfer-config", CONNECTOR_CONFIG,
+           "--kv-transfer-config", CONNECTOR_CONFIG, "--enable-prompt-tokens-details",  # usage: cached_tokens
            "--shutdown-timeout", "10"]  # drain on SIGINT (0, the default, aborts: the engine is force-killed)
     logpath = tmp / "serve.log"
     log = open(logpath, "w+")
@@ -133,6 +133,20 @@ def test_vllm_serve_metrics_count_the_certified_reads(server):
     assert values.get("kvcert_certified_reads_total") == sum(
         _reads(p, n) for p, n in ((37, 4), (20, 3), (70, 7), (10, 2))), values
     assert values.get("kvcert_bound_count", 0) > 0 and "kvcert_repairs_total" in values, values
+
+
+def test_vllm_serve_prefix_cache_hit_is_certified_and_counted(server):
+    """The same 64-token prompt twice: the second request reuses the first's full blocks (vLLM's prefix cache,
+    usage.prompt_tokens_details.cached_tokens); its summary counts exactly the reads it made (the cached rows
+    are not recomputed), and its reads of the cached blocks are certified like any other (witness kept)."""
+    prompt = list(range(180, 244))
+    first = _complete(server, prompt, 3).json()
+    second = _complete(server, prompt, 3).json()
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert (first["usage"]["prompt_tokens_details"] or {}).get("cached_tokens", 0) == 0 and cached >= 32, second
+    assert first["kv_transfer_params"]["kvcert"]["reads"] == _reads(64, 3)
+    s = second["kv_transfer_params"]["kvcert"]
+    assert s["reads"] == LAYERS * HEADS * (64 - cached + 3 - 1) and 0 < s["max_pre_gate"], s
 
 
 def test_vllm_serve_takes_each_requests_gate_threshold(server):
