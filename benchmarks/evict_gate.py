@@ -78,7 +78,7 @@ def run_batch(model, tok, exs, args):
         for tau in args.taus:
             mine = copy_prefill(pre, model.config)
             exact = [layer.keys.clone() for layer in mine.cache.layers]          # the truth's keys
-            gate = EvictionGate(tau, scope=args.scope, sketch=args.sketch, keep_queries=True)
+            gate = EvictionGate(tau, scope=args.scope, sketch=args.sketch, retain=not args.fetch, keep_queries=True)
             ev = evict(mine, make_evictor(spec), witness=False, gate=gate)
             out = decode(model, mine, ev, max_new_tokens=max(allow), certify=False, eos_token_id=eos)
             texts = answer_texts(tok, out["tokens"], allow, eos)
@@ -86,6 +86,7 @@ def run_batch(model, tok, exs, args):
             served = torch.stack([s["served"] for s in gate.steps])
             bound = torch.stack([s["bound"] for s in gate.steps])
             ratio = torch.stack([s["resident_bytes"] / s["full_bytes"] for s in gate.steps])   # [T, B]
+            fetch = torch.stack([s["fetch_bytes"] / s["full_bytes"] for s in gate.steps])
             for b, ex in enumerate(exs):
                 text, n_new = texts[b]
                 T = max(1, n_new - 1)                   # steps this row really decoded (later ones are padding)
@@ -94,6 +95,7 @@ def run_batch(model, tok, exs, args):
                 recs[b]["runs"][f"{cell}/{tau}"] = {
                     "ok": score(text, ex["answers"]), "text": text,
                     "bytes_over_full": round(float(ratio[:T, b].mean()), 5),
+                    "fetch_over_full": round(float(fetch[:T, b].mean()), 5),
                     "restored_tokens": restored, "evicted_tokens": evicted,
                     "reads": int(served[:T, :, b].numel()), "max_served": float(served[:T, :, b].max()),
                     "max_bound_before_gate": float(bound[:T, :, b].max()),
@@ -140,6 +142,7 @@ def summarize(records, cells, taus, labels):
             rows.append({"cell": cell, "tau": tau, "accuracy": sum(ok) / n, "wilson": wilson(sum(ok), n),
                          "p_vs_full": p, "lost": lost, "gained": gained,
                          "bytes_over_full_mean": sum(x["bytes_over_full"] for x in runs) / n,
+                         "fetch_over_full_mean": sum(x.get("fetch_over_full", 0.0) for x in runs) / n,
                          "restored_share": sum(x["restored_tokens"] for x in runs) / sum(x["evicted_tokens"] for x in runs),
                          "inputs_fully_restored": sum(x["restored_tokens"] == x["evicted_tokens"] for x in runs),
                          "reads": sum(x["reads"] for x in runs), "violations": sum(x["violations"] for x in runs),
@@ -177,7 +180,9 @@ def main(argv=None):
     ap.add_argument("--cells", default="snapkv@192,streaming@192,epikv@192,streaming@96")
     ap.add_argument("--taus", default="0.05,0.2")
     ap.add_argument("--scope", default="tokens", choices=("tokens", "head", "layer", "input"))
-    ap.add_argument("--sketch", default="int8", choices=("int8", "int4", "fp8_e4m3", "fp8_e5m2"))
+    ap.add_argument("--sketch", default="int8", choices=("int8", "int4", "fp8_e4m3", "fp8_e5m2", "int4c"))
+    ap.add_argument("--fetch", action="store_true", help="retain=False: each read fetches its tokens from the "
+                    "offload tier and drops them (resident: kept slots, sketches, one read's buffer)")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--window-frac", type=float, default=0.125)
@@ -217,6 +222,7 @@ def main(argv=None):
             "machine": machine(), "model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized, fp32, CPU)",
             "settings": {"n": args.n, "tokens": args.tokens, "cells": args.cells, "taus": args.taus, "scope": args.scope,
                          "batch": args.batch, "sinks": args.sinks, "window_frac": args.window_frac, "sketch": args.sketch,
+                         "retain": not args.fetch,
                          "labels": str(Path(args.labels).relative_to(ROOT)) if labels else None},
             "seconds": round(time.time() - t0, 1), "full_accuracy": full_acc, "rows": rows, "records": records}
     data["readme_tables"] = [table(rows, full_acc, len(records))]

@@ -77,22 +77,27 @@ def test_tau_one_is_plain_eviction_and_tau_zero_is_the_full_cache(setup):
     assert s["restored_tokens"] == s["evicted_tokens"] and s["max_served_bound"] == 0
 
 
-@pytest.mark.parametrize("tau,scope", [(0.05, "tokens"), (0.3, "tokens"), (0.6, "tokens"), (0.3, "head"), (0.6, "layer"),
-                                       (0.6, "input"), (1.0, "tokens")])
-def test_every_served_read_is_certified_against_the_exact_keys(setup, tau, scope):
-    """soundness: true mass of what each read missed <= served bound <= tau, per (step, layer, row, head)."""
+@pytest.mark.parametrize("tau,scope,retain", [(0.05, "tokens", True), (0.3, "tokens", True), (0.6, "tokens", True),
+                                              (0.3, "head", True), (0.6, "layer", True), (0.6, "input", True),
+                                              (1.0, "tokens", True), (0.3, "tokens", False), (0.6, "head", False)])
+def test_every_served_read_is_certified_against_the_exact_keys(setup, tau, scope, retain):
+    """soundness: true mass of what each read missed <= served bound <= tau, per (step, layer, row, head);
+    retain=False: each read fetches its own tokens (nothing stays from one read to the next)."""
     model, pre, _ = setup
-    gate, ev, out, exact, mine = run(setup, tau, scope=scope)
+    gate, ev, out, exact, mine = run(setup, tau, scope=scope, retain=retain)
     served = torch.stack([s["served"] for s in gate.steps])
     truth = true_mass(gate, ev, exact, mine, pre.valid)
     assert served.shape == truth.shape == (T - 1, 3, 2, 4)
     assert bool((served <= tau).all())
     assert bool((truth <= served * (1 + 1e-9) + 1e-12).all()), float((truth - served).max())
     restored = torch.stack([s["restored"] for s in gate.steps]).long()    # [T, L, B, Hkv, N] positions
-    assert bool((restored[1:] >= restored[:-1]).all())                   # a restored token stays restored
+    if retain:
+        assert bool((restored[1:] >= restored[:-1]).all())               # a restored token stays restored
     evicted = torch.stack([pre.valid[:, None, :].expand(2, 2, 120).clone().scatter_(2, keep, False)
                            for keep in ev.keep]).long()                  # [L, B, Hkv, N]
     assert bool((restored <= evicted).all())
+    if not retain:                                                       # fetched per read, not kept
+        assert bool((restored[1:] < restored[:-1]).any()) or tau == 1.0
     dims = {"head": (-1,), "layer": (-2, -1)}.get(scope)
     if dims:                                                             # all of the scope's tokens or none
         n, tot = restored.sum(dims), evicted.sum(dims)
@@ -135,6 +140,11 @@ def test_bytes(setup):
     assert torch.allclose(gate.steps[-1]["resident_bytes"], kept * L * Hkv * 4 * D + back * 4 * D + out * per_slot)
     gate, _, _, _, _ = run(setup, 0.0)
     assert torch.allclose(gate.steps[-1]["resident_bytes"], gate.steps[-1]["full_bytes"])
+    gate, _, _, _, _ = run(setup, 0.6, retain=False)                     # resident: kept + sketches + one read's fetch
+    st = gate.steps[-1]
+    per_token = 4 * D
+    assert torch.allclose(st["resident_bytes"], kept * L * Hkv * 4 * D + sketch + st["fetched"].amax(0) * per_token)
+    assert torch.allclose(st["fetch_bytes"], st["fetched"].sum(0) * per_token) and bool((st["fetch_bytes"] > 0).any())
 
 
 def test_bad_input_is_refused(setup):
@@ -144,6 +154,11 @@ def test_bad_input_is_refused(setup):
             EvictionGate(bad)
     with pytest.raises(ValueError, match="scope"):
         EvictionGate(0.2, scope="token")
+    for bad in ({"retain": 0}, {"retain": False, "scope": "input"}):
+        with pytest.raises(ValueError, match="retain"):
+            EvictionGate(0.2, **bad)
+    with pytest.raises(ValueError, match="sketch"):
+        EvictionGate(0.2, sketch="int3")
     mine = copy_prefill(pre, model.config)
     gate = EvictionGate(0.2)
     ev = evict(mine, make_evictor("snapkv:48"), witness=False, gate=gate)

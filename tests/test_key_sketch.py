@@ -40,12 +40,12 @@ def log_odds(q, sketch, k, kept, s):
 
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2 ** 31 - 1), log_scale=st.floats(-2, 1.5), outlier=st.floats(1, 100),
-       scheme=st.sampled_from(["int8", "int4", "fp8_e4m3", "fp8_e5m2"]), n_ev=st.integers(1, 40))
+       scheme=st.sampled_from(["int8", "int4", "fp8_e4m3", "fp8_e5m2", "int4c"]), n_ev=st.integers(1, 40))
 def test_sketch_bounds_the_evicted_mass_from_exact_keys(seed, log_scale, outlier, scheme, n_ev):
     g = torch.Generator().manual_seed(seed)
     k, ev, kept = split(g, 48, n_ev, log_scale, outlier)
     sk = build_key_sketch(k, ev, BANDS, scheme=scheme)
-    err = k.gather(2, ev[..., None].expand(-1, -1, -1, D)) - dequantize(sk.codes)
+    err = k.gather(2, ev[..., None].expand(-1, -1, -1, D)) - sk.boxes().lo                 # k - k^
     j = int(err.norm(dim=-1).sum(1).argmax())
     aligned = err[:, :, j].sign().repeat_interleave(REP, 1)
     s = D ** -0.5
@@ -80,7 +80,9 @@ def test_sketch_bytes_and_bad_input():
     per = sk.nbytes / (HKV * 20)
     assert per == D + 2 + 8 + 1  # int8 codes, fp16 scale, 8 witness codes, a validity byte: 43 of fp16 K+V's 128
     assert build_key_sketch(k, ev, BANDS, scheme="int4").nbytes / (HKV * 20) == D / 2 + 2 + 8 + 1
-    with pytest.raises(ValueError, match="per-token codec"):
+    # int4c: 4-bit codes, the witness, validity; fp16 lo and step per channel of the one block of 20 tokens
+    assert build_key_sketch(k, ev, BANDS, scheme="int4c").nbytes / (HKV * 20) == D / 2 + 8 + 1 + 2 * 2 * D / 20
+    with pytest.raises(ValueError, match="scheme must be one of"):
         build_key_sketch(k, ev, BANDS, scheme="kivi2")
     with pytest.raises(ValueError, match="fp32, fp16 or bf16"):
         build_key_sketch(k.double(), ev, BANDS)
@@ -92,3 +94,21 @@ def test_sketch_bytes_and_bad_input():
         build_key_sketch(bad, ev, BANDS)
     with pytest.raises(ValueError, match="bands"):
         build_key_sketch(k, ev, BANDS[:4])
+
+
+def test_int4c_codes_decode_within_half_a_step():
+    """int4c: per block of 32 evicted tokens and channel, lo = the block's min (fp16), 15 steps to its max:
+    every valid token decodes within half a step (plus fp16 rounding of lo and step) of its exact key;
+    padding slots do not widen the range."""
+    from fast.core.pagebox import channel_codes
+    g = torch.Generator().manual_seed(6)
+    k = torch.randn(2, HKV, 70, D, generator=g) * torch.logspace(-1, 1, D)
+    valid = torch.ones(2, HKV, 70, dtype=torch.bool)
+    valid[1, :, 60:] = False
+    k[1, :, 60:] = 1e4                                        # padding with huge values: ignored
+    c = channel_codes(k, valid)
+    assert c.lo.shape == (2, HKV, 3, D) and c.codes.shape == (2, HKV, 70, D // 2)
+    step = c.step.float().repeat_interleave(32, 2)[:, :, :70]
+    err = (c.decode() - k).abs()[valid]
+    assert bool((err <= 0.5 * step[valid] + 2e-3 * k.abs()[valid] + 1e-6).all())
+    assert float(c.step.float()[1, :, 1].max()) < 10          # the padded block's range is its valid tokens'

@@ -283,6 +283,49 @@ def pagebox_bound(q, witness, log_z_kept_lower, scale, **kw):
 
 
 @dataclass
+class ChannelCodes:
+    """int4c: 4-bit codes per channel over blocks of BLOCK consecutive evicted tokens of one (row, KV
+    head), KIVI's key layout: k^_c = lo_c + code_c * step_c with lo, step fp16 per (row, KV head, block,
+    channel), computed in fp32. codes: uint8 [B, Hkv, E, D/2] (low nibble = even channel); lo, step:
+    fp16 [B, Hkv, ceil(E / BLOCK), D]."""
+    codes: torch.Tensor
+    lo: torch.Tensor
+    step: torch.Tensor
+
+    @property
+    def nbytes(self):
+        return self.codes.numel() + 2 * (self.lo.numel() + self.step.numel())
+
+    def decode(self):
+        c = torch.stack([self.codes & 15, self.codes >> 4], -1).flatten(-2).float()
+        E = c.shape[2]
+        per = lambda t: t.float().repeat_interleave(BLOCK, 2)[:, :, :E]
+        return per(self.lo) + c * per(self.step)
+
+
+BLOCK = 32
+
+
+def channel_codes(k, valid):
+    """ChannelCodes of k [B, Hkv, E, D] fp32 (min/max over the valid tokens of each block; the decoded key
+    need not be close to k for soundness: the witness is measured against k itself)."""
+    B, Hkv, E, D = k.shape
+    nb = -(-E // BLOCK)
+    pad = nb * BLOCK - E
+    big = torch.finfo(torch.float32).max
+    v = torch.nn.functional.pad(valid, (0, pad))[..., None].view(B, Hkv, nb, BLOCK, 1)
+    kb = torch.nn.functional.pad(k, (0, 0, 0, pad)).view(B, Hkv, nb, BLOCK, D)
+    lo = torch.where(v, kb, torch.full_like(kb, big)).amin(3)
+    hi = torch.where(v, kb, torch.full_like(kb, -big)).amax(3)
+    lo = torch.where(lo <= hi, lo, torch.zeros_like(lo)).half()               # a block with no valid token: 0
+    step = ((hi.clamp_min(lo.float()) - lo.float()) / 15).half()
+    step = torch.where(step > 0, step, torch.ones_like(step))                 # constant channels: any step decodes lo
+    per = lambda t: t.float().repeat_interleave(BLOCK, 2)[:, :, :E]
+    code = ((k - per(lo)) / per(step)).round().clamp(0, 15).to(torch.uint8)
+    return ChannelCodes(code[..., 0::2] | (code[..., 1::2] << 4), lo, step)
+
+
+@dataclass
 class KeySketch:
     """The evicted keys kept as codes (`scheme`, per token) with their band witness: a page box
     witness with one token per page (T7l with lo = hi = the decoded key k^, which lies in its own
@@ -302,28 +345,40 @@ class KeySketch:
 
     def boxes(self):
         """The PageBoxWitness this sketch stands for (pages of one token), built at read time."""
-        from fast.core.quant import dequantize
         from fast.core.witness import unpack_witness
-        k_hat = dequantize(self.codes)                                      # fp32: lo = hi = k^ exactly
+        k_hat = _decode(self.codes)                                         # fp32: lo = hi = k^ exactly
         return PageBoxWitness(self.valid.to(torch.int32), k_hat, k_hat.clone(), unpack_witness(self.rho), self.bands)
+
+
+def _decode(codes):
+    from fast.core.quant import dequantize
+    return codes.decode() if isinstance(codes, ChannelCodes) else dequantize(codes)
+
+
+SKETCH_SCHEMES = ("int8", "int4", "fp8_e4m3", "fp8_e5m2", "int4c")
 
 
 def build_key_sketch(keys, evict_index, bands, *, scheme="int8", evict_valid=None):
     """KeySketch of the evicted keys: keys [B, Hkv, N, D] the exact keys as cached (post-RoPE),
     evict_index [B, Hkv, E] the evicted tokens, evict_valid bool [B, Hkv, E] (False = padding);
-    scheme: a per-token codec of fast.core.quant (int8, int4, fp8_e4m3, fp8_e5m2)."""
-    from fast.core.quant import dequantize, quantize
+    scheme: a per-token codec of fast.core.quant (int8, int4, fp8_e4m3, fp8_e5m2), or int4c (ChannelCodes:
+    4-bit per channel over the evicted tokens of each row and KV head)."""
+    from fast.core.quant import quantize
     from fast.core.witness import pack_witness, witness
     B, Hkv, N, D = check_evicted("keys", keys, evict_index)
     if keys.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"keys must be fp32, fp16 or bf16 (the witness is measured against them exactly), got {keys.dtype}")
-    if scheme not in ("int8", "int4", "fp8_e4m3", "fp8_e5m2"):
-        raise ValueError(f"scheme must be a per-token codec (int8, int4, fp8_e4m3, fp8_e5m2), got {scheme!r}")
+    if scheme not in SKETCH_SCHEMES:
+        raise ValueError(f"scheme must be one of {', '.join(SKETCH_SCHEMES)}, got {scheme!r}")
     valid = torch.ones_like(evict_index, dtype=torch.bool) if evict_valid is None else evict_valid
     if valid.shape != evict_index.shape or valid.dtype != torch.bool:
         raise ValueError(f"evict_valid must be bool {tuple(evict_index.shape)}")
     bands = _checks.bands_tensor(bands, D)
     k = keys.float().gather(2, evict_index[..., None].expand(-1, -1, -1, D)).contiguous()   # exact
-    qt = quantize(k, scheme)
-    rho = pack_witness(witness(k, dequantize(qt), bands))                  # >= ||(k - k^)_b||, rounded up
+    if scheme == "int4c" and D % 2:
+        raise ValueError(f"int4c packs two channels a byte: D must be even, got {D}")
+    qt = channel_codes(k, valid) if scheme == "int4c" else quantize(k, scheme)
+    if scheme == "int4c" and not bool(torch.isfinite(qt.step.float()).all()):
+        raise ValueError("int4c: a channel's key range exceeds fp16 (step overflows)")
+    rho = pack_witness(witness(k, _decode(qt), bands))                     # >= ||(k - k^)_b||, rounded up
     return KeySketch(qt, rho, valid, bands)

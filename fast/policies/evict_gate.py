@@ -45,7 +45,7 @@ import math
 import torch
 
 from fast.core.evict import log_z_kept_lower, tv_from_log_odds
-from fast.core.pagebox import box_upper, build_key_sketch, pagebox_log_odds
+from fast.core.pagebox import SKETCH_SCHEMES, box_upper, build_key_sketch, pagebox_log_odds
 
 SCOPES = ("tokens", "head", "layer", "input")
 MARGIN = 1e-6   # the restore choice aims this many nats below tau; the bound served is recomputed anyway
@@ -58,14 +58,24 @@ class EvictionGate:
     evicted tokens of the breaching KV head with the largest sketch upper logits, fewest first,
     until the bound of what stays out is <= tau), "head" (all of that KV head's evicted tokens),
     "layer" (the row's layer), "input" (the row's whole cache). sketch: the per-token codec of the
-    resident key sketch (int8, int4, fp8_e4m3, fp8_e5m2). keep_queries: also record every read's
-    queries (an independent truth can then be computed from exact keys: benchmarks.evict_gate, tests)."""
+    resident key sketch (int8, int4, fp8_e4m3, fp8_e5m2, int4c). retain: restored tokens stay resident
+    for the rest of the generation (True), or each read fetches what it needs and drops it after the read
+    (False: the resident set is the kept slots and the sketches; the fetched K+V are a transient buffer
+    of one layer's read, and traffic from the offload tier each step). keep_queries: also record every
+    read's queries (an independent truth can then be computed from exact keys: benchmarks.evict_gate, tests)."""
 
-    def __init__(self, tau, *, scope="tokens", sketch="int8", num_bands=8, keep_queries=False):
+    def __init__(self, tau, *, scope="tokens", sketch="int8", num_bands=8, retain=True, keep_queries=False):
         if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau) or not 0 <= tau <= 1:
             raise ValueError(f"tau must be a number in [0, 1], got {tau!r}")
         if scope not in SCOPES:
             raise ValueError(f"scope must be one of {', '.join(SCOPES)}, got {scope!r}")
+        if not isinstance(retain, bool) or (not retain and scope == "input"):
+            raise ValueError(f"retain must be True or False (False: each read fetches its own tokens, so scope "
+                             f"'input', which restores later layers ahead of their reads, needs retain=True); got "
+                             f"retain={retain!r}, scope={scope!r}")
+        if sketch not in SKETCH_SCHEMES:
+            raise ValueError(f"sketch must be one of {', '.join(SKETCH_SCHEMES)}, got {sketch!r}")
+        self.retain = retain
         self.tau, self.scope, self.sketch_scheme, self.num_bands = float(tau), scope, sketch, num_bands
         self.keep_queries = keep_queries
         self.layers = []          # per layer: index, valid, keys, values [B, Hkv, E, .], sketch, restored [B, Hkv, E]
@@ -107,6 +117,8 @@ class EvictionGate:
             raise RuntimeError("EvictionGate.read outside a decode step (decode drives the gate)")
         st = self.layers[layer]
         q = query[:, :, 0]
+        if not self.retain:                                  # nothing fetched by an earlier read stays
+            st["restored"] = torch.zeros_like(st["valid"])
         with torch.no_grad():
             bound, upper = self._bound(q, key, st, scale)
             if bool(bound.gt(self.tau).any()):
@@ -122,6 +134,7 @@ class EvictionGate:
         pos = torch.zeros(st["index"].shape[:2] + (st["n_prefill"],), dtype=torch.bool)
         pos.scatter_(2, st["index"], st["restored"] & st["valid"])
         self._step[layer] = {"bound": bound, "served": served, "restored": pos,
+                             "fetched": (st["restored"] & st["valid"]).sum((1, 2)).double(),
                              **({"query": q.detach().float().clone()} if self.keep_queries else {})}
         return out
 
@@ -193,6 +206,10 @@ class EvictionGate:
                                "bypasses it): refusing to serve uncertified reads")
         step = {k: torch.stack([self._step[l][k] for l in range(len(self.layers))]) for k in self._step[0]}
         step["resident_bytes"], step["full_bytes"] = self.nbytes()
+        per_token = 4 * self.head_dim
+        step["fetch_bytes"] = step["fetched"].sum(0) * per_token if not self.retain else torch.zeros_like(step["full_bytes"])
+        if not self.retain:                              # the peak: one layer's fetched tokens at a time
+            step["resident_bytes"] = step["resident_bytes"] + step["fetched"].amax(0) * per_token
         self.steps.append(step)
         self._step = None
 
@@ -200,7 +217,7 @@ class EvictionGate:
 
     def nbytes(self):
         """(resident, full) bytes per row [B] now, K+V at fp16: the kept slots and decode tokens, the
-        restored tokens' K+V, the sketches of the tokens still out; full = every token."""
+        restored tokens' K+V (retain=True), the sketches of the tokens still out; full = every token."""
         per_token = 4 * self.head_dim                   # fp16 K + V of one token of one KV head
         kept = self.valid_now.sum(-1).double()          # [B] real kept slots and decode tokens
         resident = torch.zeros_like(kept)
@@ -209,8 +226,8 @@ class EvictionGate:
             Hkv = st["valid"].shape[1]
             sk = st["sketch"]
             per_slot = sk.nbytes / sk.valid.numel() if sk is not None else 0.0
-            back = (st["valid"] & st["restored"]).sum((1, 2)).double()
-            out = (st["valid"] & ~st["restored"]).sum((1, 2)).double()
+            back = (st["valid"] & st["restored"]).sum((1, 2)).double() if self.retain else 0.0
+            out = st["valid"].sum((1, 2)).double() - back
             resident += kept * Hkv * per_token + back * per_token + out * per_slot
             full += (kept * Hkv + back + out) * per_token
         return resident, full
@@ -224,7 +241,9 @@ class EvictionGate:
         back = self.steps[-1]["restored"]                                 # [L, B, Hkv, N]
         evicted = sum(st["valid"].sum((1, 2)) for st in self.layers)
         ratio = torch.stack([s["resident_bytes"] / s["full_bytes"] for s in self.steps])   # [T, B]
-        return {"tau": self.tau, "scope": self.scope, "sketch": self.sketch_scheme,
+        fetch = torch.stack([s["fetch_bytes"] / s["full_bytes"] for s in self.steps])
+        return {"tau": self.tau, "scope": self.scope, "sketch": self.sketch_scheme, "retain": self.retain,
+                "fetch_over_full_per_step_mean": fetch.mean(0).tolist(),
                 "reads": int(served[..., 0].numel()) * served.shape[-1],
                 "max_served_bound": float(served.max()), "max_bound_before_gate": float(bound.max()),
                 "restored_tokens": back.sum((0, 2, 3)).tolist(), "evicted_tokens": evicted.tolist(),
