@@ -2,14 +2,16 @@
 certificate says TV <= tau; elsewhere bring evicted tokens back from an offload tier first.
 
     gate = EvictionGate(0.2)                          # scope="tokens": the fewest tokens back
+    gate = EvictionGate(0.2, sketch="int4c", retain=False)   # fetched per read, 4-bit per-channel sketch
     ev = evict(pre, make_evictor("streaming:48"), gate=gate)
     out = decode(model, pre, ev, max_new_tokens=32)   # every single-token read goes through the gate
     gate.summary()                                    # reads, restores, resident bytes
 
 At eviction time each layer's evicted tokens leave the cache. Their exact keys and values go to
 the offload tier (host memory in a server, counted apart from the resident bytes). What stays
-resident is an int8 key sketch of each evicted key (`fast.core.pagebox.build_key_sketch`: codes
-plus the band witness measured against the exact key, no value).
+resident is a key sketch of each evicted key (`fast.core.pagebox.build_key_sketch`: int8 codes per
+token by default, or int4c, 4-bit codes per channel over blocks of 32 evicted tokens, plus the band
+witness measured against the exact key; no value).
 
 On every decode read of layer l, and before it is served, the gate bounds each query head's
 missed attention mass from resident data only:
@@ -19,7 +21,8 @@ missed attention mass from resident data only:
   - TV(p, p^K) = p(E) <= X / (L + X) (T7a, T7b, T7k; any partition of the tokens into read and
     not read).
 Where the bound exceeds tau for a query head, tokens of its KV head come back from the offload
-tier and stay resident for the rest of the generation:
+tier. With retain=True (the default) they stay resident for the rest of the generation; with
+retain=False each read fetches what it needs into a buffer, dropped after the read. What comes back:
   - scope="tokens": those with the largest sketch upper logits, as few as bring the bound of the
     rest to <= tau;
   - "head": all of the KV head's evicted tokens;
@@ -35,9 +38,11 @@ evicted cache) are not certified by this gate, so decode refuses them. Quantized
 (CertifiedCache) are refused as well, because L here comes from exact keys.
 
 Bytes are counted at fp16 for K+V, 4*D bytes per token and KV head, so rows compare with
-evict_eval. Resident: the kept slots and decode tokens, the restored tokens, and the sketches of
-the tokens still out. In this implementation the offloaded tensors share the process's memory
-(the tier is simulated, with its bytes counted apart), and the sketch is decoded at every read.
+evict_eval. Resident: the kept slots and decode tokens, the restored tokens (retain=True) or the
+largest one-layer fetch buffer of the step (retain=False), and the sketches of the tokens still
+out. With retain=False the step's traffic from the offload tier is counted too (fetch_bytes).
+In this implementation the offloaded tensors share the process's memory (the tier is simulated,
+with its bytes counted apart), and the sketch is decoded at every read.
 """
 
 import math
