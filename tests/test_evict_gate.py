@@ -176,3 +176,16 @@ def test_bad_input_is_refused(setup):
     gate.begin_step(ev.kept_valid)                                # a step in which no layer was read
     with pytest.raises(RuntimeError, match="without the eviction gate"):
         gate.end_step()
+
+
+def test_threads_sharing_one_model_each_read_through_their_own_gate(setup):
+    """two threads decode different inputs on one model at once, each with its own gate: each gets the
+    logits and the gate records it gets alone (the collectors are per thread, the routing is counted)."""
+    from concurrent.futures import ThreadPoolExecutor
+    model, pre, _ = setup
+    alone = [run(setup, tau)[2]["logits"] for tau in (0.3, 1.0)]
+    with ThreadPoolExecutor(2) as pool:
+        both = list(pool.map(lambda tau: run(setup, tau), (0.3, 1.0)))
+    for (gate, _, out, _, _), ref in zip(both, alone):
+        assert torch.allclose(out["logits"], ref, atol=1e-5) and len(gate.steps) == T - 1
+    assert model.config._attn_implementation == "sdpa"            # routing restored once both are done

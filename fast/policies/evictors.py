@@ -34,6 +34,7 @@ The cache shrinks physically (the tensors are gathered); a cache with `keep_toke
 """
 
 import math
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -165,7 +166,17 @@ class Collector:
                 st.accumulated = _gqa_mean(acc, Hkv)
 
 
-_ACTIVE = []
+_LOCAL = threading.local()   # the collectors active in this thread (threads sharing one model each see their own)
+
+
+_SWITCH = threading.Lock()
+_USERS = {}                  # id(model.config) -> [collecting blocks open, the attention implementation before]
+
+
+def _active():
+    if not hasattr(_LOCAL, "stack"):
+        _LOCAL.stack = []
+    return _LOCAL.stack
 
 
 def _wrapped(inner_name):
@@ -173,8 +184,8 @@ def _wrapped(inner_name):
     (the model's own implementation: sdpa, eager, or kvcert's metered attention)."""
     def attention(module, query, key, value, attention_mask, **kwargs):
         from transformers import AttentionInterface
-        if _ACTIVE:
-            col, scale = _ACTIVE[-1], kwargs.get("scaling") or module.scaling
+        if _active():
+            col, scale = _active()[-1], kwargs.get("scaling") or module.scaling
             col.observe(module, query, key, attention_mask, scale)
             if col.read is not None and query.shape[2] == 1:
                 if kwargs.get("sliding_window") or kwargs.get("softcap"):
@@ -213,25 +224,36 @@ def collecting(model, collector):
     """Route the model's attention through the collector (the model's own attention underneath)
     and hook the decoder layers."""
     config = model.config
-    old = config._attn_implementation or "sdpa"
-    config._attn_implementation = _register(old.split("-", 1)[1] if old.startswith(ATTN_NAME + "-") else old)
+    with _SWITCH:                     # threads sharing the model: the first in routes it, the last out restores
+        users = _USERS.get(id(config))
+        if users is None:
+            old = config._attn_implementation or "sdpa"
+            users = _USERS[id(config)] = [0, old]
+            config._attn_implementation = _register(old.split("-", 1)[1] if old.startswith(ATTN_NAME + "-") else old)
+        users[0] += 1
     hooks = []
     if "change" in collector.needs:
         for i, layer in enumerate(decoder_layers(model)):
             def hook(mod, args, kwargs, out, i=i):
+                if collector not in _active():                # another thread's forward
+                    return
                 h_in = args[0] if args else kwargs["hidden_states"]
                 h_out = out[0] if isinstance(out, tuple) else out
                 e = (h_out - h_in).float().norm(dim=-1) / h_in.float().norm(dim=-1).clamp_min(1e-12)
                 collector.layers.setdefault(i, LayerStats()).change = e.detach()       # [B, N] (N = 1 when decoding)
             hooks.append(layer.register_forward_hook(hook, with_kwargs=True))
-    _ACTIVE.append(collector)
+    _active().append(collector)
     try:
         yield collector
     finally:
-        _ACTIVE.remove(collector)
+        _active().remove(collector)
         for h in hooks:
             h.remove()
-        config._attn_implementation = old
+        with _SWITCH:
+            users[0] -= 1
+            if users[0] == 0:
+                config._attn_implementation = users[1]
+                del _USERS[id(config)]
 
 
 # ---------------------------------------------------------------- the evictors
