@@ -377,7 +377,7 @@ def build_key_sketch(keys, evict_index, bands, *, scheme="int8", evict_valid=Non
     k = keys.float().gather(2, evict_index[..., None].expand(-1, -1, -1, D)).contiguous()   # exact
     if scheme == "int4c" and D % 2:
         raise ValueError(f"int4c packs two channels a byte: D must be even, got {D}")
-    qt = channel_codes(k, valid) if scheme == "int4c" else quantize(k, scheme)
+    qt = channel_codes(k, valid) if scheme == "int4c" else quantize(k, scheme, group_size=32 if D % 32 == 0 else D)
     if scheme == "int4c" and not bool(torch.isfinite(qt.step.float()).all()):
         raise ValueError("int4c: a channel's key range exceeds fp16 (step overflows)")
     rho = pack_witness(witness(k, _decode(qt), bands))                     # >= ||(k - k^)_b||, rounded up
