@@ -189,3 +189,17 @@ def test_threads_sharing_one_model_each_read_through_their_own_gate(setup):
     for (gate, _, out, _, _), ref in zip(both, alone):
         assert torch.allclose(out["logits"], ref, atol=1e-5) and len(gate.steps) == T - 1
     assert model.config._attn_implementation == "sdpa"            # routing restored once both are done
+
+
+def test_nothing_evicted_and_no_decode_step(setup):
+    """a budget that holds the prompt evicts nothing: every bound is 0 and the logits are the full
+    cache's; one new token makes no decode read (the summary says 0 reads)."""
+    model, pre, full = setup
+    gate, _, out, _, _ = run(setup, 0.1, spec="snapkv:200")
+    assert torch.allclose(out["logits"], full["logits"], atol=1e-4)
+    s = gate.summary()
+    assert s["max_bound_before_gate"] == 0 and sum(s["evicted_tokens"]) == 0 and s["reads"] == (T - 1) * 3 * 2 * 4
+    mine = copy_prefill(pre, model.config)
+    gate = EvictionGate(0.1)
+    decode(model, mine, evict(mine, make_evictor("snapkv:48"), witness=False, gate=gate), max_new_tokens=1)
+    assert gate.summary() == {"tau": 0.1, "scope": "tokens", "reads": 0}
