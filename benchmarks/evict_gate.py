@@ -1,7 +1,7 @@
 """The certified eviction gate on SmolLM2 (issue 22 item 3): accuracy, KV bytes, restores, and the
 soundness of every read served, against the full cache, the evictor alone, PAGE and a blind gate.
 
-    OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python -m benchmarks.evict_gate [--n 100] -> results/evict_gate.json
+    OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python -m benchmarks.evict_gate [--n 100] -> results/evict_gate.json, .png
 
 The inputs of results/evict_eval.json (benchmarks.ruler.examples: same tasks, haystacks, seeds,
 ~--tokens tokens, left-padded batches, greedy decoding with ruler.allowance new tokens, stop at
@@ -129,6 +129,7 @@ def summarize(records, cells, taus, labels):
             page_bytes = [min(1.0, int(K) / b["tokens"]) if e else 1.0 for b, e in zip(base, evicts)]
             share = sum(evicts) / n
             ref = {"alone_accuracy": sum(alone) / n,
+                   "alone_bytes_over_full": sum(min(1.0, int(K) / b["tokens"]) for b in base) / n,
                    "page": {"tau": page_tau[K], "evicts": sum(evicts), "accuracy": sum(page_ok) / n,
                             "p_vs_full": mcnemar(full, page_ok)[0], "bytes_over_full_mean": sum(page_bytes) / n},
                    "blind_expected_accuracy": sum(share * a + (1 - share) * f for a, f in zip(alone, full)) / n,
@@ -173,6 +174,40 @@ def table(rows, full_acc, n):
             "header": head, "rows": body}
 
 
+def plot(rows, full_acc, path):
+    """Accuracy against KV bytes resident, one panel per evictor@budget: the full cache, the evictor
+    alone, PAGE and the blind gate (from --labels), and the certified gate at each tau."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cells = list(dict.fromkeys(r["cell"] for r in rows))
+    fig, axes = plt.subplots(1, len(cells), figsize=(3.2 * len(cells), 3.4), squeeze=False, sharey=True)
+    for ax, cell in zip(axes[0], cells):
+        mine = [r for r in rows if r["cell"] == cell]
+        ax.scatter([1.0], [full_acc], marker="s", color="black", label="full cache")
+        ref = mine[0]
+        if "alone_accuracy" in ref:
+            ax.scatter([ref["alone_bytes_over_full"]], [ref["alone_accuracy"]], marker="x", color="gray", label="evictor alone")
+            ax.scatter([ref["page"]["bytes_over_full_mean"]], [ref["page"]["accuracy"]], marker="^", color="tab:orange",
+                       label="PAGE")
+            ax.scatter([ref["page"]["bytes_over_full_mean"]], [ref["blind_expected_accuracy"]], marker="v",
+                       color="tab:brown", label="blind gate (expected)")
+        ax.plot([r["bytes_over_full_mean"] for r in mine], [r["accuracy"] for r in mine], "o-", color="tab:blue",
+                label="certified gate")
+        for r in mine:
+            ax.annotate(f"tau {r['tau']:g}", (r["bytes_over_full_mean"], r["accuracy"]), fontsize=7,
+                        textcoords="offset points", xytext=(4, -10))
+        ax.set_title(cell, fontsize=9)
+        ax.set_xlim(0, 1.05)
+        ax.set_xlabel("KV bytes resident / full cache")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("accuracy")
+    axes[0][0].legend(fontsize=6, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=100)
@@ -197,6 +232,7 @@ def main(argv=None):
         data["rows"] = summarize(data["records"], st["cells"], st["taus"], labels_of(args.labels))
         data["readme_tables"] = [table(data["rows"], data["full_accuracy"], len(data["records"]))]
         Path(args.resummarize).write_text(json.dumps(data, indent=1))
+        plot(data["rows"], data["full_accuracy"], Path(args.resummarize).with_suffix(".png"))
         return 0
     args.cells = [c for c in args.cells.split(",") if c]
     args.taus = [float(t) for t in args.taus.split(",")]
@@ -228,6 +264,7 @@ def main(argv=None):
     data["readme_tables"] = [table(rows, full_acc, len(records))]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(data, indent=1))
+    plot(rows, full_acc, Path(args.out).with_suffix(".png"))
     for r in rows:
         print(r["cell"], r["tau"], f"acc {r['accuracy']:.2f} p {r['p_holm']:.2g} bytes {r['bytes_over_full_mean']:.3f} "
               f"restored {r['restored_share']:.1%} violations {r['violations']}/{r['reads']}")

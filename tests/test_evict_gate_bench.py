@@ -25,6 +25,7 @@ def test_harness_on_smollm2(tmp_path):
     table_before = data["readme_tables"]
     assert main(["--resummarize", str(out)]) == 0                    # the same rows again from the records
     assert json.loads(out.read_text())["readme_tables"] == table_before
+    assert out.with_suffix(".png").stat().st_size > 1000
 
 
 def rec(i, full, ok, drop):
