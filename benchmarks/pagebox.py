@@ -195,7 +195,7 @@ def tables(data):
                     "steps, all layers and query heads; truth from exact keys): median [p90] of log(X / Z_E) in nats, "
                     "the witness's bound on the evicted partition function over the exact one (0 = exact; ball = "
                     "today's group witness, box-pN = page boxes of N consecutive evicted tokens, box-cN = N clustered, "
-                    "-h = super-page hierarchy, sketch-C = the evicted keys as per-token codes of C with their witness, "
+                    "-h = super-page hierarchy, sketch-C = the evicted keys as codes of C (per token; int4c per channel over blocks of 32) with their witness, "
                     "values dropped); last row: witness bytes per evicted token (fp16 K+V: 256)",
            "header": ["evictor@budget", "true TV median"] + names, "rows": []}
     ratio = {"title": "The same reads: median [p90] of bound TV / true TV (the issue's goal: median <= 10), "
