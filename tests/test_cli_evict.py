@@ -129,3 +129,20 @@ def test_smollm2_run_evict_then_report(tmp_path, capsys):
     assert main(["report", str(out)]) == 0
     again = capsys.readouterr().out
     assert "composed bound per decode step" in again and (out / "eviction_heatmap.png").is_file()
+
+
+def test_demo_eviction_part_on_smollm2():
+    """`make demo`'s eviction lines (fast.tools.evict_cli.demo_eviction) on the demo's passkey prompt:
+    the gated run finds the pass key, every read it served has a bound <= tau, and what it keeps
+    resident is under half of the full cache; the lines say so."""
+    from fast.tools.cli import load, prompt_ids
+    from fast.tools.evict_cli import demo_eviction
+    model, tok = load()
+    text, key = passkey_prompt(n_filler=40, seed=0)
+    ids = prompt_ids(tok, model, text, 24)
+    lines, (alone, gated) = demo_eviction(model, tok, ids, key, 0.2, 24)
+    assert str(key) in gated, gated
+    assert lines[0] == f"eviction: streaming:128 of {len(ids)} prompt tokens" and len(lines) == 4
+    served = float(lines[3].split("bound served <= ")[1].split()[0])
+    resident = float(lines[3].split("KV bytes resident ")[1].split()[0])
+    assert served <= 0.2 and resident < 0.5, lines[3]

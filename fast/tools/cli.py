@@ -447,6 +447,9 @@ def cmd_demo(args):
     print("(bytes per token over all layers; the model runs in fp32 on CPU, so exact copies cost 4 bytes a value;\n"
           " 'at fp16': the same with exact values at 2 bytes, as a bf16 / fp16 model holds them;\n"
           f" uncompressed row: an fp16 cache. Traces and plots under {args.out}/)")
+    from fast.tools.evict_cli import demo_eviction
+    print()
+    print("\n".join(demo_eviction(model, tok, ids, key, args.tau, args.max_new_tokens)[0]))
     return 0
 
 

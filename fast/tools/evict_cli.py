@@ -80,6 +80,35 @@ def trace_summary(out):
     return s
 
 
+DEMO_EVICT = "streaming:128"
+
+
+def demo_eviction(model, tok, ids, key, tau, max_new_tokens):
+    """The demo's eviction part: the passkey prompt evicted to DEMO_EVICT, alone and with the certified
+    eviction gate (int4c sketches, each read fetching what its certificate needs). Returns the lines
+    printed and the two answers."""
+    import torch
+    from fast.policies.evict_gate import EvictionGate
+    from fast.policies.evictors import generate, make_evictor
+    lines, answers = [f"eviction: {DEMO_EVICT} of {len(ids)} prompt tokens"], []
+    for gate in (None, EvictionGate(tau, sketch="int4c", retain=False)):
+        out = generate(model, torch.tensor([ids]), evictor=make_evictor(DEMO_EVICT), gate=gate, certify=False,
+                       max_new_tokens=max_new_tokens, eos_token_id=tok.eos_token_id)
+        answer = tok.decode(out["tokens"][0], skip_special_tokens=True).strip()
+        answers.append(answer)
+        ok = "yes" if str(key) in answer else "NO"
+        if gate is None:
+            lines.append(f"  evictor alone (no certificate)      correct {ok:<4} {answer!r}")
+            continue
+        s = gate.summary()
+        lines.append(f"  + certified eviction gate, tau {tau:<5g} correct {ok:<4} {answer!r}")
+        lines.append(f"    {s['reads']} reads, bound served <= {s['max_served_bound']:.3f} (before the gate up to "
+                     f"{s['max_bound_before_gate']:.3f}); KV bytes resident {s['resident_over_full_mean'][0]:.2f} of "
+                     f"the full cache (kept tokens, int4c key sketches, one read's fetch); fetched from the offload "
+                     f"tier per step: {s['fetch_over_full_per_step_mean'][0]:.2f} of it")
+    return lines, answers
+
+
 def _prompts(args, tok, text=None):
     """Unlabelled prompts: lines of --prompts (text), else RULER-style haystacks (fixed seeds, no answers used)."""
     import torch
