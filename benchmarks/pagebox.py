@@ -46,14 +46,12 @@ SUPER, REFINE = 8, 1 / 16
 
 
 def evicted_order(valid, keep, Hkv):
-    """(evict_index [B, Hkv, E] by position, evict_valid) of the real tokens not in keep."""
-    B, N = valid.shape
-    gone = valid[:, None, :].expand(B, Hkv, N).clone()
+    """(evict_index [B, Hkv, E] by position, evict_valid, the evicted mask [B, Hkv, N]) of the real tokens not in keep."""
+    from fast.policies.evictors import evicted_index
+    idx, ok = evicted_index(valid, keep, Hkv)
+    gone = valid[:, None, :].expand(valid.shape[0], Hkv, valid.shape[1]).clone()
     gone.scatter_(2, keep, False)
-    E = max(1, int(gone.sum(-1).max()))
-    order = torch.sort(gone.long(), dim=-1, descending=True, stable=True).indices
-    idx = order[..., :E].sort(-1).values
-    return idx, gone.gather(2, idx), gone
+    return idx, ok, gone
 
 
 def build_witnesses(k, valid, keep, pages, clustered, bands, sketches=()):

@@ -50,7 +50,7 @@ import math
 import torch
 
 from fast.core.evict import log_z_kept_lower, tv_from_log_odds
-from fast.core.pagebox import SKETCH_SCHEMES, box_upper, build_key_sketch, pagebox_log_odds
+from fast.core.pagebox import SKETCH_SCHEMES, build_key_sketch, log_odds_of, log_sum_upper, page_upper
 
 SCOPES = ("tokens", "head", "layer", "input")
 MARGIN = 1e-6   # the restore choice aims this many nats below tau; the bound served is recomputed anyway
@@ -125,16 +125,17 @@ class EvictionGate:
         if not self.retain:                                  # nothing fetched by an earlier read stays
             st["restored"] = torch.zeros_like(st["valid"])
         with torch.no_grad():
-            bound, upper = self._bound(q, key, st, scale)
+            # the sketch's upper logits a_j >= s<q, k_j> (T7l), once per read: they depend on q only
+            a = page_upper(q, st["sketch"].boxes(), scale) if st["sketch"] is not None else None
+            bound = self._bound(q, key, st, scale, a)
+            served = bound
             if bool(bound.gt(self.tau).any()):
-                self._restore(layer, q, bound, upper, key, scale)
-                served, _ = self._bound(q, key, st, scale)
+                self._restore(layer, bound, a, self._log_z(q, key, st, scale))
+                served = self._bound(q, key, st, scale, a)
                 still = self._by_kv(served > self.tau)      # rounding at the edge: the whole KV head comes back
                 if bool(still.any()):
                     st["restored"] |= still[..., None] & st["valid"]
-                    served, _ = self._bound(q, key, st, scale)
-            else:
-                served = bound
+                    served = self._bound(q, key, st, scale, a)
             out = _read(q, key, value, self.valid_now, st, scale)
         pos = torch.zeros(st["index"].shape[:2] + (st["n_prefill"],), dtype=torch.bool)
         pos.scatter_(2, st["index"], st["restored"] & st["valid"])
@@ -149,32 +150,36 @@ class EvictionGate:
         Hkv = self.layers[0]["valid"].shape[1]
         return per_query_head.view(B, Hkv, H // Hkv).any(-1)
 
-    def _bound(self, q, key, st, scale):
-        """(certified TV [B, H] of the read over the kept slots and the restored tokens, the sketch's
-        upper logits [B, H, E] or None). L over kept and restored exact keys, X over the sketch of
-        the tokens still out (T7l, T7j, T7k)."""
-        B, H, _ = q.shape
-        if st["sketch"] is None:                             # nothing evicted in this layer: TV = 0 (T7a)
-            return torch.zeros(B, H, dtype=torch.float64), None
-        Hkv, Nk = key.shape[1], key.shape[2]
-        out = st["valid"] & ~st["restored"]
-        ok = torch.cat([self.valid_now[:, None, :].expand(B, Hkv, Nk), st["valid"] & st["restored"]], 2)
-        lz = log_z_kept_lower(q, torch.cat([key, st["keys"].to(key.dtype)], 2), scale, valid=ok)
-        boxes = st["sketch"].boxes()
-        upper = box_upper(q, boxes, float(scale))           # [B, H, E], checked by pagebox_log_odds below
-        boxes.counts = out.to(torch.int32)
-        bound = tv_from_log_odds(pagebox_log_odds(q, boxes, lz, scale)).double()
+    def _log_z(self, q, key, st, scale):
+        """log_z_kept_lower over the kept slots and the restored tokens (exact keys) [B, H]."""
+        back = st["valid"] & st["restored"]
+        if not bool(back.any()):                             # nothing read back: the kept slots alone
+            return log_z_kept_lower(q, key, scale, valid=self.valid_now)
+        B, Hkv, Nk = key.shape[0], key.shape[1], key.shape[2]
+        ok = torch.cat([self.valid_now[:, None, :].expand(B, Hkv, Nk), back], 2)
+        return log_z_kept_lower(q, torch.cat([key, st["keys"].to(key.dtype)], 2), scale, valid=ok)
+
+    def _bound(self, q, key, st, scale, a):
+        """Certified TV [B, H] of the read over the kept slots and the restored tokens: L over their
+        exact keys, X = sum of e^{a_j} over the sketch's tokens still out (T7l, T7j, T7k); a [B, H, E]
+        the sketch's upper logits (None: nothing evicted in this layer, TV = 0 by T7a)."""
+        if a is None:
+            return torch.zeros(q.shape[:2], dtype=torch.float64)
+        rep = q.shape[1] // st["valid"].shape[1]
+        out = (st["valid"] & ~st["restored"]).double().repeat_interleave(rep, 1)
+        d = log_odds_of(log_sum_upper(out, a), self._log_z(q, key, st, scale))
+        bound = tv_from_log_odds(d).double()
         if not bool(torch.isfinite(bound).all()):
             raise ValueError("the eviction certificate is not finite (NaN/Inf in the query or keys)")
-        return bound, (upper, lz)
+        return bound
 
-    def _restore(self, layer, q, bound, upper, key, scale):
+    def _restore(self, layer, bound, a, lz):
         """Bring tokens back from the offload tier where the bound exceeds tau."""
         st = self.layers[layer]
         breach = bound > self.tau                            # [B, H]
         kv = self._by_kv(breach)
         if self.scope == "tokens":
-            st["restored"] |= self._fewest(st, breach, *upper) & st["valid"]
+            st["restored"] |= self._fewest(st, breach, a, lz) & st["valid"]
         elif self.scope == "head":
             st["restored"] |= kv[..., None] & st["valid"]
         elif self.scope == "layer":
@@ -256,13 +261,19 @@ class EvictionGate:
 
 
 def _read(q, key, value, valid_now, st, scale):
-    """softmax attention over the kept slots and the restored tokens (fp32)."""
+    """softmax attention over the kept slots and the restored tokens (fp32; the offloaded tensors are
+    read only when some token came back)."""
     B, H, D = q.shape
     Hkv, Nk = key.shape[1], key.shape[2]
     rep = H // Hkv
-    kk = torch.cat([key.float(), st["keys"].float()], 2).repeat_interleave(rep, 1)
-    vv = torch.cat([value.float(), st["values"].float()], 2).repeat_interleave(rep, 1)
-    mask = torch.cat([valid_now[:, None, :].expand(B, Hkv, Nk), st["valid"] & st["restored"]], 2)
+    back = st["valid"] & st["restored"]
+    mask = valid_now[:, None, :].expand(B, Hkv, Nk)
+    kk, vv = key.float(), value.float()
+    if bool(back.any()):
+        kk = torch.cat([kk, st["keys"].float()], 2)
+        vv = torch.cat([vv, st["values"].float()], 2)
+        mask = torch.cat([mask, back], 2)
+    kk, vv = kk.repeat_interleave(rep, 1), vv.repeat_interleave(rep, 1)
     x = float(scale) * torch.einsum("bhd,bhnd->bhn", q.float(), kk)
     x = x.masked_fill(~mask.repeat_interleave(rep, 1), -float("inf"))
     out = torch.einsum("bhn,bhnd->bhd", torch.softmax(x, -1), vv)
