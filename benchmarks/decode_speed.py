@@ -7,15 +7,21 @@ decode the same teacher-forced tokens, their steps interleaved (each step of eac
 so that load on the shared machine hits every variant alike; tokens/s = B / median step time.
 
 Variants
-- uncompressed: DynamicCache, sdpa (fp32);
+- uncompressed (the baseline of every ratio): DynamicCache, torch sdpa with enable_gqa=True and the
+  padding mask as a boolean mask (attention "sdpa_gqa", registered here): the KV heads are never
+  repeated. transformers' own "sdpa" does the same at batch 1 (no mask), but under a padding mask it
+  repeats every KV head G times (repeat_kv, a copy of the whole cache per layer and step), which
+  made its batch-4 throughput lower than its batch-1 one: that row is kept, labelled, not the base;
 - every other row: fast.CertifiedCache read with attention "kvcert" (what fast.enable_meter sets),
   as README's first example builds it; its default backend="auto" reads through the fused C++
   kernel (fast.integrations.hf_fused) wherever the kernel applies (int8, int4);
 - int8 (no certificate): certify=False: the same codes, served by the fused kernel;
 - int8 certified: the fused kernel, certificate epilogue batched once per step;
 - int8 certified (torch twin): backend="torch" (the served fp32 copy + the torch twin);
-- int4 / kivi2 certified: the defaults (kivi2 falls back to the torch twin: no fused kernel for it);
-- quanto int4: transformers QuantizedCache(backend="quanto") when optimum-quanto imports (--quanto).
+- int4 / int8_dither / kivi2 / prerope4 certified: the defaults (int8_dither, kivi2 and prerope4 fall
+  back to the torch twin: no fused kernel for them);
+- quanto int4 / int2: transformers QuantizedCache(backend="quanto") when optimum-quanto imports
+  (--quanto), read with the baseline's attention.
 meter overhead = step time int8 certified / int8 (no certificate), same codes, same run.
 
 Peak memory at the largest context (--memory): one child process per variant loads the model and
@@ -56,21 +62,45 @@ def prompt_ids(tok, n):
 
 
 ATTENTION = "kvcert"  # the meter's name: fast.enable_meter(model) sets it (README's first example)
+BASELINE = "sdpa_gqa"  # the uncompressed cache's attention: GQA-aware sdpa, also under a padding mask
 CACHES = {  # variant: (scheme, fast.CertifiedCache keywords), each read with ATTENTION
     "int8 (no certificate)": ("int8", {"certify": False}),
     "int8 certified": ("int8", {}),
     "int8 certified (torch twin)": ("int8", {"backend": "torch"}),
+    "int8_dither certified": ("int8_dither", {}),
     "int4 certified": ("int4", {}),
     "kivi2 certified": ("kivi2", {}),
+    "prerope4 certified": ("prerope4", {}),
 }
+QUANTO_BITS = (4, 2)
+
+
+def gqa_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The baseline's attention: torch sdpa over the cache's KV heads as they are (enable_gqa), the
+    HF mask (boolean or additive) passed as a boolean mask. Output [B, T, H, D] as HF expects."""
+    mask = attention_mask
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask > torch.finfo(mask.dtype).min / 2
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                                           is_causal=mask is None and query.shape[2] > 1,
+                                                           enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_baseline():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    AttentionInterface.register(BASELINE, gqa_sdpa)
+    AttentionMaskInterface.register(BASELINE, sdpa_mask)
 MEMORY_VARIANTS = ["uncompressed", "int8 certified", "int8 (no certificate)", "int8 certified (torch twin)"]
 
 
 def certified_cache(config, variant):
     """The variant's cache, built as README's first example builds one."""
     import fast
+    from benchmarks.soundness import scheme_of
     scheme, kw = CACHES[variant]
-    return fast.CertifiedCache(config, scheme, **kw)
+    return fast.CertifiedCache(config, scheme_of(scheme, config), **kw)
 
 
 def make_variants(model, exact, B, L, quanto):
@@ -78,15 +108,17 @@ def make_variants(model, exact, B, L, quanto):
     for b in range(B):
         valid[b, : b * L // 8] = False
     src = exact if B == 1 else _repeat(exact, B, model.config)
-    v = {"uncompressed": (_copy(src, model.config), "sdpa")}
+    v = {"uncompressed": (_copy(src, model.config), BASELINE),
+         "uncompressed (transformers sdpa)": (_copy(src, model.config), "sdpa")}
     for name in CACHES:
         v[name] = (certified_cache(model.config, name).fill_from(src, valid), ATTENTION)
     if quanto:
         from transformers import QuantizedCache
-        qc = QuantizedCache(backend="quanto", config=model.config, nbits=4, residual_length=32, q_group_size=32)
-        for layer, s in enumerate(src.layers):  # the same prefill, stored through the cache's own update
-            qc.update(s.keys, s.values, layer)
-        v["quanto int4 (transformers QuantizedCache)"] = (qc, "sdpa")
+        for bits in QUANTO_BITS:
+            qc = QuantizedCache(backend="quanto", config=model.config, nbits=bits, residual_length=32, q_group_size=32)
+            for layer, s in enumerate(src.layers):  # the same prefill, stored through the cache's own update
+                qc.update(s.keys, s.values, layer)
+            v[f"quanto int{bits} (transformers QuantizedCache)"] = (qc, BASELINE)
     return v, valid
 
 
@@ -124,7 +156,7 @@ def run_context(model, tok, L, batches, steps, quanto, log):
                 for name, (cache, attn) in variants.items():
                     model.set_attn_implementation(attn)
                     set_current(None)
-                    am = mask[:, : L + step + 1] if attn == "sdpa" else None
+                    am = mask[:, : L + step + 1] if attn != ATTENTION else None
                     t = time.perf_counter()
                     logits = model(input_ids=tok_in[:, None], past_key_values=cache, attention_mask=am, use_cache=True).logits[:, -1]
                     if step:
@@ -338,6 +370,7 @@ def main(argv=None):
             quanto_note = f"optimum-quanto does not import: {e}"
             args.quanto = False
     model, tok = load()
+    register_baseline()
     lines = []
 
     def log(msg):
@@ -386,6 +419,9 @@ def main(argv=None):
            "quanto": "included" if args.quanto else (quanto_note or "not requested (--quanto)"),
            "notes": ["step times of all variants interleaved; ratios within one (context, batch) cell",
                      "batch 4: one prefill repeated, sequence b with b L/8 left-padding tokens masked (different lengths)",
+                     "uncompressed (the base of every ratio): DynamicCache read by torch sdpa with enable_gqa=True and the "
+                     "padding mask (attention 'sdpa_gqa'); 'uncompressed (transformers sdpa)': transformers' sdpa, "
+                     "which repeats the KV heads under a padding mask (batch > 1)",
                      "certified rows: fast.CertifiedCache, attention 'kvcert' (fast.enable_meter); backend 'auto' "
                      "reads through the C++ kernel (fast.core.cpu_fused) where it applies; (torch twin): "
                      "backend='torch', the served fp32 copy + the torch twin"],

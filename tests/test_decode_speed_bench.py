@@ -51,3 +51,32 @@ def test_benchmark_reads_with_the_readme_attention():
     assert fast.enable_meter(Model()).attn == decode_speed.ATTENTION
     assert not [n for n in decode_speed.CACHES if "(meter)" in n]
     assert set(decode_speed.MEMORY_VARIANTS) <= {"uncompressed", *decode_speed.CACHES}
+
+
+def test_baseline_attention_is_transformers_sdpa_without_the_repeat():
+    """The uncompressed baseline (decode_speed.BASELINE, GQA-aware sdpa under a padding mask) computes
+    what transformers' sdpa computes: same logits at prefill and at every decode step of a padded
+    batch of a GQA model, so the speed baseline changes the layout, not the model."""
+    import torch
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=96, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256)
+    model = LlamaForCausalLM(cfg).eval()
+    decode_speed.register_baseline()
+    ids = torch.randint(0, 64, (3, 40))
+    mask = torch.ones(3, 40, dtype=torch.long)
+    mask[1, :10] = 0
+    mask[2, :25] = 0
+    outs = {}
+    for attn in ("sdpa", decode_speed.BASELINE):
+        model.set_attn_implementation(attn)
+        cache, m, x, logits = DynamicCache(config=cfg), mask, ids, []
+        with torch.no_grad():
+            for _ in range(4):
+                out = model(input_ids=x, attention_mask=m, past_key_values=cache, use_cache=True).logits[:, -1]
+                logits.append(out)
+                x, m = out.argmax(-1)[:, None], torch.cat([m, torch.ones(3, 1, dtype=torch.long)], 1)
+        outs[attn] = torch.stack(logits)
+    assert torch.allclose(outs["sdpa"], outs[decode_speed.BASELINE], atol=1e-5, rtol=1e-5)
+    assert (outs["sdpa"][:, 1] - outs["sdpa"][:, 2]).abs().max() > 1e-3  # the padding matters: rows differ
