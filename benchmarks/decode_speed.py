@@ -103,22 +103,38 @@ def certified_cache(config, variant):
     return fast.CertifiedCache(config, scheme_of(scheme, config), **kw)
 
 
-def make_variants(model, exact, B, L, quanto):
+def variant_names(quanto):
+    """Every variant but the baseline, in table order."""
+    return (["uncompressed (transformers sdpa)", *CACHES]
+            + ([f"quanto int{b} (transformers QuantizedCache)" for b in QUANTO_BITS] if quanto else []))
+
+
+def groups_of(names, size):
+    """The variants split into groups of at most `size` (0: one group); each group is timed with its
+    own copy of the baseline, so that the caches of one group only are in memory at a time."""
+    size = size or len(names) or 1
+    return [names[i:i + size] for i in range(0, len(names), size)]
+
+
+def make_variants(model, exact, B, L, names):
+    """{variant: (cache, attention)} for the baseline and `names`, all holding the same prefill."""
     valid = torch.ones(B, L, dtype=torch.bool)
     for b in range(B):
         valid[b, : b * L // 8] = False
     src = exact if B == 1 else _repeat(exact, B, model.config)
-    v = {"uncompressed": (_copy(src, model.config), BASELINE),
-         "uncompressed (transformers sdpa)": (_copy(src, model.config), "sdpa")}
-    for name in CACHES:
-        v[name] = (certified_cache(model.config, name).fill_from(src, valid), ATTENTION)
-    if quanto:
-        from transformers import QuantizedCache
-        for bits in QUANTO_BITS:
+    v = {"uncompressed": (_copy(src, model.config), BASELINE)}
+    for name in names:
+        if name == "uncompressed (transformers sdpa)":
+            v[name] = (_copy(src, model.config), "sdpa")
+        elif name in CACHES:
+            v[name] = (certified_cache(model.config, name).fill_from(src, valid), ATTENTION)
+        else:
+            from transformers import QuantizedCache
+            bits = int(name.split()[1][3:])
             qc = QuantizedCache(backend="quanto", config=model.config, nbits=bits, residual_length=32, q_group_size=32)
             for layer, s in enumerate(src.layers):  # the same prefill, stored through the cache's own update
                 qc.update(s.keys, s.values, layer)
-            v[f"quanto int{bits} (transformers QuantizedCache)"] = (qc, BASELINE)
+            v[name] = (qc, BASELINE)
     return v, valid
 
 
@@ -134,10 +150,31 @@ def _repeat(exact, B, config):
     return out
 
 
-def run_context(model, tok, L, batches, steps, quanto, log):
-    from transformers import DynamicCache
-
+def time_group(model, variants, valid, first, B, L, steps):
+    """{variant: [step seconds]}: every variant's decode steps interleaved (one step of each in turn)."""
     from fast.integrations.hf_meter import set_current
+    times = {name: [] for name in variants}
+    tok_in = first.repeat(B)
+    mask = torch.cat([valid, torch.ones(B, steps + 1, dtype=torch.bool)], 1).long()
+    with torch.no_grad():
+        for step in range(steps + 1):  # step 0: warm-up, not timed
+            nxt = None
+            for name, (cache, attn) in variants.items():
+                model.set_attn_implementation(attn)
+                set_current(None)
+                am = mask[:, : L + step + 1] if attn != ATTENTION else None
+                t = time.perf_counter()
+                logits = model(input_ids=tok_in[:, None], past_key_values=cache, attention_mask=am, use_cache=True).logits[:, -1]
+                if step:
+                    times[name].append(time.perf_counter() - t)
+                if name == "uncompressed":
+                    nxt = logits.argmax(-1)
+            tok_in = nxt
+    return times
+
+
+def run_context(model, tok, L, batches, steps, quanto, log, group_size=0):
+    from transformers import DynamicCache
     ids = torch.tensor([prompt_ids(tok, L)])
     exact = DynamicCache(config=model.config)
     t0 = time.perf_counter()
@@ -146,44 +183,35 @@ def run_context(model, tok, L, batches, steps, quanto, log):
     log(f"  prefill {L} tokens: {time.perf_counter() - t0:.1f} s")
     out = {}
     for B in batches:
-        variants, valid = make_variants(model, exact, B, L, quanto)
-        times = {name: [] for name in variants}
-        tok_in = first.repeat(B)
-        mask = torch.cat([valid, torch.ones(B, steps + 1, dtype=torch.bool)], 1).long()
-        with torch.no_grad():
-            for step in range(steps + 1):  # step 0: warm-up, not timed
-                nxt = None
-                for name, (cache, attn) in variants.items():
-                    model.set_attn_implementation(attn)
-                    set_current(None)
-                    am = mask[:, : L + step + 1] if attn != ATTENTION else None
-                    t = time.perf_counter()
-                    logits = model(input_ids=tok_in[:, None], past_key_values=cache, attention_mask=am, use_cache=True).logits[:, -1]
-                    if step:
-                        times[name].append(time.perf_counter() - t)
-                    if name == "uncompressed":
-                        nxt = logits.argmax(-1)
-                tok_in = nxt
-        base = statistics.median(times["uncompressed"])
-        res = {}
-        for name, ts in times.items():
-            med = statistics.median(ts)
-            cache = variants[name][0]
-            res[name] = {"median_step_s": med, "tokens_per_s": B / med, "ratio_vs_uncompressed": base / med,
-                         "step_s": ts}
-            if hasattr(cache, "memory"):
-                res[name]["device_bytes_per_token"] = cache.memory()["device_bytes_per_token"]
-            if hasattr(cache, "fused_reads"):
-                res[name]["fused_reads"] = cache.fused_reads
-        res["meter_overhead"] = res["int8 certified"]["median_step_s"] / res["int8 (no certificate)"]["median_step_s"]
+        res, groups = {}, groups_of(variant_names(quanto), group_size)
+        for g, names in enumerate(groups):
+            variants, valid = make_variants(model, exact, B, L, names)
+            times = time_group(model, variants, valid, first, B, L, steps)
+            base = statistics.median(times["uncompressed"])
+            for name, ts in times.items():
+                if name == "uncompressed" and g:  # later groups' baselines: kept beside, not as the row
+                    res.setdefault("baseline_of_group", []).append({"group": g, "median_step_s": base, "step_s": ts})
+                    continue
+                med = statistics.median(ts)
+                cache = variants[name][0]
+                res[name] = {"median_step_s": med, "tokens_per_s": B / med, "ratio_vs_uncompressed": base / med,
+                             "step_s": ts, "group": g}
+                if hasattr(cache, "memory"):
+                    res[name]["device_bytes_per_token"] = cache.memory()["device_bytes_per_token"]
+                if hasattr(cache, "fused_reads"):
+                    res[name]["fused_reads"] = cache.fused_reads
+            del variants
+            gc.collect()
+        pair = res["int8 certified"], res["int8 (no certificate)"]
+        if pair[0]["group"] != pair[1]["group"]:
+            raise SystemExit("--group-size: int8 certified and int8 (no certificate) must be timed in one group")
+        res["meter_overhead"] = pair[0]["median_step_s"] / pair[1]["median_step_s"]
         out[f"B={B}"] = res
         (ROOT / "build").mkdir(exist_ok=True)
         with open(ROOT / "build" / "decode_speed_cells.jsonl", "a") as fh:  # survives an interrupted run
             fh.write(json.dumps({"context": L, "batch": B, "cell": res, "command": " ".join(sys.argv)}) + "\n")
         log(f"  L={L} B={B}: " + ", ".join(f"{n} {r['tokens_per_s']:.2f} tok/s ({r['ratio_vs_uncompressed']:.2f}x)"
                                            for n, r in res.items() if isinstance(r, dict)) + f"; meter {res['meter_overhead']:.3f}x")
-        del variants
-        gc.collect()
     return out, exact
 
 
@@ -310,7 +338,7 @@ def plot(doc, path):
     fig, axes = plt.subplots(1, len(doc["batches"]), figsize=(6 * len(doc["batches"]), 4.2), squeeze=False)
     for ax, B in zip(axes[0], doc["batches"]):
         names = list(doc["contexts"][str(doc["context_tokens"][0])][f"B={B}"])
-        for name in [n for n in names if n not in ("meter_overhead", "from_log")]:
+        for name in [n for n in names if n not in ("meter_overhead", "from_log", "baseline_of_group")]:
             xs = [L for L in doc["context_tokens"] if name in doc["contexts"][str(L)][f"B={B}"]]
             ys = [doc["contexts"][str(L)][f"B={B}"][name]["ratio_vs_uncompressed"] for L in xs]
             ax.plot(xs, ys, marker="o", label=name)
@@ -333,6 +361,9 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
     ap.add_argument("--memory", action="store_true", help="peak RSS per variant at the largest context (child processes)")
     ap.add_argument("--quanto", action="store_true", help="add transformers' QuantizedCache (optimum-quanto must import)")
+    ap.add_argument("--group-size", type=int, default=0,
+                    help="time the variants in groups of this many, each interleaved with its own copy of the "
+                         "baseline, one group's caches in memory at a time (0: all in one group)")
     ap.add_argument("--out", default=str(ROOT / "results" / "decode_speed.json"))
     ap.add_argument("--merge-log", default=None,
                     help="a log of an earlier run of this script: its cells (per context and batch, all ratios "
@@ -379,7 +410,7 @@ def main(argv=None):
 
     res, last = {}, None
     for L in contexts:
-        res[str(L)], last = run_context(model, tok, L, batches, args.steps, args.quanto, log)
+        res[str(L)], last = run_context(model, tok, L, batches, args.steps, args.quanto, log, args.group_size)
     merged, measured = {}, set(res)
     if args.merge_log:
         merged = cells_from_log(Path(args.merge_log).read_text())
@@ -419,6 +450,9 @@ def main(argv=None):
            "quanto": "included" if args.quanto else (quanto_note or "not requested (--quanto)"),
            "notes": ["step times of all variants interleaved; ratios within one (context, batch) cell",
                      "batch 4: one prefill repeated, sequence b with b L/8 left-padding tokens masked (different lengths)",
+                     "with --group-size K the variants are timed K at a time, each group interleaved with its own "
+                     "copy of the baseline (its ratios are against that copy; 'group' in each row, the later "
+                     "groups' baselines in 'baseline_of_group')",
                      "uncompressed (the base of every ratio): DynamicCache read by torch sdpa with enable_gqa=True and the "
                      "padding mask (attention 'sdpa_gqa'); 'uncompressed (transformers sdpa)': transformers' sdpa, "
                      "which repeats the KV heads under a padding mask (batch > 1)",

@@ -1,0 +1,49 @@
+"""benchmarks/looseness.py's query-subspace witness (a measured candidate, not in the library): the
+interval [mu - w, mu + w] it reports contains every token's exact logit shift s q . r, for queries
+inside and outside the prefill queries' span, and collapses to the shift when q lies in the span."""
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from benchmarks.looseness import QWIN, Recorder
+from fast.core.rope import rope_bands
+
+D, G, HKV, N = 16, 2, 2, 24
+BANDS = rope_bands(D, 4, "rotate_half")
+
+
+def draw(seed, m, in_span):
+    g = torch.Generator().manual_seed(seed)
+    H = G * HKV
+    basis = torch.randn(HKV, 3, D, generator=g, dtype=torch.float64).repeat_interleave(G, 0)  # rank 3 per KV head
+    qpre = torch.einsum("hwr,hrd->hwd", torch.randn(H, QWIN, 3, generator=g, dtype=torch.float64), basis)
+    q = torch.einsum("hr,hrd->hd", torch.randn(H, 3, generator=g, dtype=torch.float64), basis)
+    if not in_span:
+        q = q + torch.randn(H, D, generator=g, dtype=torch.float64)
+    r = torch.randn(H, N, D, generator=g, dtype=torch.float64) * 10.0 ** torch.empty(1).uniform_(-3, 1, generator=g)
+    return q, r, qpre
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2 ** 31), st.sampled_from([1, 2, 8]), st.booleans())
+def test_interval_holds_the_exact_shift(seed, m, in_span):
+    q, r, qpre = draw(seed, m, in_span)
+    s = 0.125
+    mu, w = Recorder.subspace_interval(q, r, qpre, m, s, BANDS, G)
+    eps = s * torch.einsum("hd,hnd->hn", q, r)
+    slack = 1e-12 * (1 + eps.abs() + w)
+    assert bool((eps >= mu - w - slack).all() and (eps <= mu + w + slack).all())
+
+
+def test_query_in_the_span_is_pinned_and_the_residual_term_is_needed():
+    """m >= rank of the prefill queries and q in their span: w ~ 0, mu ~ the shift. q off the span:
+    dropping w (a mutant) leaves shifts outside [mu, mu]."""
+    q, r, qpre = draw(3, 3, True)
+    mu, w = Recorder.subspace_interval(q, r, qpre, 3, 1.0, BANDS, G)
+    eps = torch.einsum("hd,hnd->hn", q, r)
+    assert float(w.max()) < 1e-9 * float(eps.abs().max()) and torch.allclose(mu, eps, atol=1e-9)
+    q, r, qpre = draw(3, 3, False)
+    mu, w = Recorder.subspace_interval(q, r, qpre, 3, 1.0, BANDS, G)
+    eps = torch.einsum("hd,hnd->hn", q, r)
+    assert float((eps - mu).abs().max()) > 1e-3 and float(w.min()) > 0
