@@ -338,7 +338,9 @@ def plot(doc, path):
     fig, axes = plt.subplots(1, len(doc["batches"]), figsize=(6 * len(doc["batches"]), 4.2), squeeze=False)
     for ax, B in zip(axes[0], doc["batches"]):
         names = list(doc["contexts"][str(doc["context_tokens"][0])][f"B={B}"])
-        for name in [n for n in names if n not in ("meter_overhead", "from_log", "baseline_of_group")]:
+        shown = [n for n in names if n not in ("meter_overhead", "from_log", "baseline_of_group")]
+        ax.set_prop_cycle(color=[plt.cm.tab20(i % 20) for i in range(len(shown))])
+        for name in shown:
             xs = [L for L in doc["context_tokens"] if name in doc["contexts"][str(L)][f"B={B}"]]
             ys = [doc["contexts"][str(L)][f"B={B}"][name]["ratio_vs_uncompressed"] for L in xs]
             ax.plot(xs, ys, marker="o", label=name)
