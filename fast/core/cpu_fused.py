@@ -197,6 +197,9 @@ def _lib(scalar=False):
         lib.kvcert_epilogue.restype = ctypes.c_int
         lib.kvcert_lut_is_grid.argtypes = [ctypes.c_void_p]
         lib.kvcert_lut_is_grid.restype = ctypes.c_int
+        lib.kvcert_dither_noise.argtypes = [ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint32, *[ctypes.c_int64] * 5,
+                                            ctypes.c_int, ctypes.c_void_p]
+        lib.kvcert_dither_noise.restype = None
         _LIB[scalar] = lib
     return _LIB[scalar]
 
@@ -208,6 +211,16 @@ def available():
         return True
     except (OSError, RuntimeError):
         return False
+
+
+def dither_noise(seed, layer, Hkv, token_start, N, D, *, rows=1, stream=0):
+    """fast.core.quant.dither_noise's u [rows, Hkv, N, D] fp32, bit for bit, computed in C++
+    (kvcert_dither_noise); the counters must already be checked (quant.check_dither_counters)."""
+    out = torch.empty(rows, Hkv, N, D, dtype=torch.float32)
+    if out.numel():
+        _lib().kvcert_dither_noise(int(seed), int(stream), int(layer), rows, Hkv, int(token_start), N, D,
+                                   read_threads(), out.data_ptr())
+    return out
 
 
 def exp_check(lo=-104.0, threads=None):

@@ -138,6 +138,22 @@ def dither_noise(seed, layer, Hkv, token_start, N, D, device="cpu", *, rows=1, s
     raise ValueError (seed < 2^64, layer < 2^32, token_start + N < 2^63). u = (2 i + 1 - 2^16) / 2^17
     with i = dither_hash(...), one Philox call per 8 channels."""
     check_dither_counters(seed, layer, stream, rows, Hkv, token_start, N, D)
+    if torch.device(device).type == "cpu" and _fused_noise():
+        from fast.core import cpu_fused
+        return cpu_fused.dither_noise(seed, layer, Hkv, token_start, N, D, rows=rows, stream=stream)
+    return dither_noise_torch(seed, layer, Hkv, token_start, N, D, device, rows=rows, stream=stream)
+
+
+def _fused_noise():
+    """The C++ twin of dither_noise (fast.core.cpu_fused) serves CPU calls where it builds; the same bits
+    (tests/test_dither_noise_cpp.py), many times faster. Unavailable (no g++/OpenMP): the torch path."""
+    from fast.core import cpu_fused
+    return cpu_fused.available()
+
+
+def dither_noise_torch(seed, layer, Hkv, token_start, N, D, device="cpu", *, rows=1, stream=0):
+    """dither_noise in torch integer ops (any device; the readable reference of the C++ twin)."""
+    check_dither_counters(seed, layer, stream, rows, Hkv, token_start, N, D)
     row = torch.arange(rows, device=device).view(rows, 1, 1, 1)
     head = torch.arange(Hkv, device=device).view(1, Hkv, 1, 1)
     token = torch.arange(token_start, token_start + N, device=device).view(1, 1, N, 1)

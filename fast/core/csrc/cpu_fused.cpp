@@ -991,4 +991,48 @@ int64_t kvcert_paged_witness(const float* key, int64_t n, int64_t Hkv, int64_t D
     }
     return bad;
 }
+
+// The subtractive dither of fast.core.quant.dither_noise, bit for bit: u [rows, Hkv, N, D] fp32 of one stream.
+// Philox4x32-10 (Random123's rounds, multipliers 0xD2511F53 / 0xCD9E8D57, Weyl increments 0x9E3779B9 /
+// 0xBB67AE85) in two stages: key (k0, k1) = words 0-1 of Philox(counter (layer, row, head, stream), key
+// (seed lo, seed hi)); then for each block b of 8 channels, Philox(counter (token lo, token hi, b, 0), key
+// (k0, k1)) gives words w0..w3, channel 8 b + 2 j + h takes the high (h = 0) or low (h = 1) 16 bits i of w_j,
+// u = (2 i + 1 - 2^16) 2^-17 (exact in fp32). The caller checks the counters (quant.check_dither_counters).
+static inline void philox4x32_10(uint32_t c[4], uint32_t k0, uint32_t k1) {
+    for (int r = 0; r < 10; ++r) {
+        if (r) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        const uint64_t p0 = (uint64_t)0xD2511F53u * c[0], p1 = (uint64_t)0xCD9E8D57u * c[2];
+        const uint32_t n0 = (uint32_t)(p1 >> 32) ^ c[1] ^ k0, n2 = (uint32_t)(p0 >> 32) ^ c[3] ^ k1;
+        c[1] = (uint32_t)p1;
+        c[3] = (uint32_t)p0;
+        c[0] = n0;
+        c[2] = n2;
+    }
+}
+
+void kvcert_dither_noise(uint64_t seed, uint32_t stream, uint32_t layer, int64_t rows, int64_t Hkv, int64_t token_start,
+                         int64_t N, int64_t D, int threads, float* out) {
+    const int64_t nb = (D + 7) / 8;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t rh = 0; rh < rows * Hkv; ++rh) {
+        uint32_t key[4] = {layer, (uint32_t)(rh / Hkv), (uint32_t)(rh % Hkv), stream};
+        philox4x32_10(key, (uint32_t)seed, (uint32_t)(seed >> 32));
+        for (int64_t n = 0; n < N; ++n) {
+            const uint64_t token = (uint64_t)(token_start + n);
+            float* o = out + (rh * N + n) * D;
+            for (int64_t b = 0; b < nb; ++b) {
+                uint32_t w[4] = {(uint32_t)token, (uint32_t)(token >> 32), (uint32_t)b, 0u};
+                philox4x32_10(w, key[0], key[1]);
+                for (int64_t c = 8 * b; c < 8 * b + 8 && c < D; ++c) {
+                    const uint32_t word = w[(c & 7) >> 1];
+                    const int32_t i = (int32_t)((c & 1) ? (word & 0xFFFFu) : (word >> 16));
+                    o[c] = (float)(2 * i + 1 - 65536) * 0x1p-17f;
+                }
+            }
+        }
+    }
+}
 }
