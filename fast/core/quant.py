@@ -139,16 +139,17 @@ def dither_noise(seed, layer, Hkv, token_start, N, D, device="cpu", *, rows=1, s
     with i = dither_hash(...), one Philox call per 8 channels."""
     check_dither_counters(seed, layer, stream, rows, Hkv, token_start, N, D)
     if torch.device(device).type == "cpu" and _fused_noise():
-        from fast.core import cpu_fused
-        return cpu_fused.dither_noise(seed, layer, Hkv, token_start, N, D, rows=rows, stream=stream)
+        from fast.core import native
+        return native.dither_noise(seed, layer, Hkv, token_start, N, D, rows=rows, stream=stream)
     return dither_noise_torch(seed, layer, Hkv, token_start, N, D, device, rows=rows, stream=stream)
 
 
 def _fused_noise():
-    """The C++ twin of dither_noise (fast.core.cpu_fused) serves CPU calls where it builds; the same bits
-    (tests/test_dither_noise_cpp.py), many times faster. Unavailable (no g++/OpenMP): the torch path."""
-    from fast.core import cpu_fused
-    return cpu_fused.available()
+    """The C++ twin of dither_noise (fast.core.native, csrc/cpu_fused.cpp) serves CPU calls where the
+    extension builds; the same bits (tests/test_dither_noise_cpp.py), many times faster. Unavailable (no
+    g++/OpenMP): the torch path."""
+    from fast.core import native
+    return native.available()
 
 
 def dither_noise_torch(seed, layer, Hkv, token_start, N, D, device="cpu", *, rows=1, stream=0):
