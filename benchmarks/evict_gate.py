@@ -154,20 +154,23 @@ def summarize(records, cells, taus, labels):
     return rows
 
 
-def table(rows, full_acc, n):
+def table(rows, full_acc, n, retain=False):
+    """The README table; with retain=True the restored tokens stay resident, so there is no per-step fetch
+    ("-") and the traffic is the one-time restore ("evicted read back")."""
     head = ["evictor@budget", "tau", "accuracy", "p vs full (Holm)", "KV bytes / full", "fetched / step", "evicted read back",
             "evictor alone", "PAGE (bytes)", "blind gate", "violations / reads"]
     body = []
     for r in rows:
         page = r.get("page")
         body.append([r["cell"], r["tau"], f"{r['accuracy']:.2f} [{r['wilson'][0]:.2f}, {r['wilson'][1]:.2f}]",
-                     f"{r['p_holm']:.2g}", f"{r['bytes_over_full_mean']:.3f}", f"{r['fetch_over_full_mean']:.3f}",
+                     f"{r['p_holm']:.2g}", f"{r['bytes_over_full_mean']:.3f}", "-" if retain else f"{r['fetch_over_full_mean']:.3f}",
                      f"{r['restored_share']:.1%}",
                      f"{r['alone_accuracy']:.2f}" if "alone_accuracy" in r else "-",
                      f"{page['accuracy']:.2f} ({page['bytes_over_full_mean']:.2f})" if page else "-",
                      f"{r['blind_expected_accuracy']:.2f}" if "blind_expected_accuracy" in r else "-",
                      f"{r['violations']}/{r['reads']}"])
-    return {"title": f"Certified eviction gate, SmolLM2-135M, {n} inputs of ~384 tokens (full cache {full_acc:.2f}); "
+    return {"title": f"Certified eviction gate (retain={retain}), SmolLM2-135M, {n} inputs of ~384 tokens "
+                     f"(full cache {full_acc:.2f}); "
                      "KV bytes: fp16 K+V resident (kept slots, key sketches, and the restored tokens, or with "
                      "retain=False the largest one-layer fetch buffer of the step) over the full cache's, averaged "
                      "over decode steps; fetched / step: K+V brought from the offload tier per decode step over the "
@@ -234,7 +237,7 @@ def main(argv=None):
         data = json.loads(Path(args.resummarize).read_text())
         st = data["settings"]
         data["rows"] = summarize(data["records"], st["cells"], st["taus"], labels_of(args.labels))
-        data["readme_tables"] = [table(data["rows"], data["full_accuracy"], len(data["records"]))]
+        data["readme_tables"] = [table(data["rows"], data["full_accuracy"], len(data["records"]), st["retain"])]
         Path(args.resummarize).write_text(json.dumps(data, indent=1))
         plot(data["rows"], data["full_accuracy"], Path(args.resummarize).with_suffix(".png"))
         return 0
@@ -265,7 +268,7 @@ def main(argv=None):
                          "retain": not args.fetch,
                          "labels": str(Path(args.labels).relative_to(ROOT)) if labels else None},
             "seconds": round(time.time() - t0, 1), "full_accuracy": full_acc, "rows": rows, "records": records}
-    data["readme_tables"] = [table(rows, full_acc, len(records))]
+    data["readme_tables"] = [table(rows, full_acc, len(records), not args.fetch)]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(data, indent=1))
     plot(rows, full_acc, Path(args.out).with_suffix(".png"))

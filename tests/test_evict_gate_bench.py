@@ -51,3 +51,4 @@ def test_summary_compares_page_blind_and_the_full_cache():
     assert row["blind_expected_accuracy"] == pytest.approx((0.5 * 1 + 0.5 * 1) / 4 + 0.5 / 4 + 0.5 / 4)
     assert row["restored_share"] == 0.25 and row["labels_match"]
     assert table([row], 0.75, 4)["rows"][0][2].startswith("0.75")
+    assert table([row], 0.75, 4)["rows"][0][5] != "-" and table([row], 0.75, 4, retain=True)["rows"][0][5] == "-"
