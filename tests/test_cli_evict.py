@@ -165,6 +165,13 @@ def test_bad_eviction_gate_input_is_one_line(tmp_path, capsys):
     assert "give --evict-gate too" in one_line_error(capsys, base + ["--evict", "streaming:8", "--evict-sketch", "int8"])
 
 
+def test_cli_sketch_choices_are_the_gates():
+    """--evict-sketch lists (without importing torch at parse time) exactly the sketches EvictionGate takes."""
+    from fast.policies.evict_gate import SKETCH_SCHEMES
+    from fast.tools.evict_cli import SKETCH_CHOICES
+    assert sorted(SKETCH_CHOICES) == sorted(SKETCH_SCHEMES)
+
+
 def test_tiny_run_through_the_eviction_gate(tmp_path):
     """kvcert run's --evict-gate path (run_one): the trace holds every read's served bound (<= tau) and
     its bound before the gate (>= the served one, over tau somewhere: the gate restored), the gate's

@@ -314,9 +314,8 @@ def prompt_ids(tok, model, text, max_new):
 def run_one(model, tok, ids, args, progress=True, desc="", shared=None):
     """Generate under args.scheme/args.gate (and args.evict/args.page when present); returns (answer, trace)."""
     from fast.tools import trace as T
-    from fast.tools.evict_cli import from_args, trace_summary
+    from fast.tools.evict_cli import from_args, gate_from_args, trace_summary
     from fast.policies.evictors import keep_count
-    from fast.tools.evict_cli import gate_from_args
     try:
         evict, page = from_args(args) if hasattr(args, "evict") else (None, None)
         gate = gate_from_args(args) if hasattr(args, "evict") else None
