@@ -23,6 +23,7 @@ import fast
 from fast.core import attention as twin
 from fast.core import cpu_fused
 from fast.core.certify import EXP32_EPS, FORMS, TINY, U32
+from fast.core.witness import _log_table
 from reference import band as ref_band
 from reference import softmax as ref
 
@@ -777,3 +778,132 @@ def test_int4_bad_inputs_one_value_error(what):
         return
     with pytest.raises(ValueError):
         cpu_fused.attention_rows(q, kq, vq, None, 0.125, bands=bands, q_pos=qp)
+
+
+# ---- asymmetric codes: kivi2 (2-bit keys per channel block, values per token group), pre-RoPE keys rotated at read ----
+
+ASYM = st.fixed_dictionaries({
+    "seed": st.integers(0, 2**31 - 1), "B": st.integers(1, 2), "T": st.integers(1, 3), "Hkv": st.integers(1, 2),
+    "G": st.integers(1, 3), "blocks": st.integers(1, 2), "D": st.sampled_from([64, 80]), "layout": st.sampled_from(["kivi2", "prerope4", "prerope8"]),
+    "t0": st.sampled_from([0, 40]), "certify": st.booleans(), "mag": st.sampled_from([1e-3, 1.0, 30.0]), "holes": st.booleans()})
+
+
+def _asym_case(case):
+    """(codes segment, the same keys and values decoded by the twin as fp32 rows, q, qpos, ngv) for an ASYM case."""
+    from fast.core.prerope import PreRopeKeys, rope_tables
+    from fast.core.schemes import KiviKeys, KiviValues
+    g = torch.Generator().manual_seed(case["seed"])
+    B, Hkv, G, D, T = (case[x] for x in ("B", "Hkv", "G", "D", "T"))
+    if case["layout"] == "kivi2" and D % 32:  # kivi2's values: groups of 32 channels
+        D = 96
+    N = 32 * case["blocks"]
+    k, v = torch.randn(B, Hkv, N, D, generator=g) * 3, torch.randn(B, Hkv, N, D, generator=g)
+    bands = fast.rope_bands(D, 8)
+    if case["layout"] == "kivi2":
+        kk, vv = KiviKeys.encode(k), KiviValues.encode(v)
+        kd, vd = kk.decode(), vv.decode()
+        rho = fast.pack_witness(fast.witness(k, kd, bands))
+        vkw = dict(v_asym=cpu_fused.AsymValues(vv.get("codes"), vv.get("scale"), vv.get("zero"), 2))
+        ka = cpu_fused.AsymKeys(kk.get("codes"), kk.get("scale"), kk.get("zero"), 2, 32)
+        ngv = vv.get("scale").shape[-1]
+    else:
+        bits, rope = int(case["layout"][-1]), rope_tables(D, 10000.0, 256)
+        kk = PreRopeKeys.encode(k, rope, bits, case["t0"])
+        vq = fast.quantize(v, "int8", group_size=16)
+        kd, vd = kk.decode(), fast.dequantize(vq)
+        rho = fast.pack_witness(kk.witness_t3(k, bands))
+        vkw = dict(v=vq.codes, v_scales=vq.scales)
+        ka = cpu_fused.AsymKeys(kk.get("codes"), kk.get("scale"), kk.get("zero"), bits, 32, (rope[0], rope[1], case["t0"]))
+        ngv = vq.scales.shape[-1]
+    valid = None
+    if case["holes"]:
+        valid = (torch.rand(B, Hkv, N, generator=g) > 0.3).to(torch.uint8)
+        valid[..., -1] = 1
+    rho = rho.contiguous() if case["certify"] else None
+    codes = [cpu_fused.seg(Hkv, N, k_asym=ka, rho=rho, valid=valid, **vkw), cpu_fused.seg(Hkv, 0)]
+    rows = [cpu_fused.seg(Hkv, N, k=kd.contiguous(), v=vd.contiguous(), rho=rho, valid=valid), cpu_fused.seg(Hkv, 0)]
+    q = (torch.randn(B, T, Hkv * G, D, generator=g) * case["mag"]).contiguous()
+    qpos = (N - T + torch.arange(T, dtype=torch.int32)).view(1, T).expand(B, T).contiguous()
+    return codes, rows, q, qpos, ngv, bands, (kk, k, kd)
+
+
+@settings(max_examples=30, deadline=None)
+@given(case=ASYM)
+def test_asym_codes_read_as_the_twins_decoded_rows(case):
+    """Differential (fused kivi2 / pre-RoPE vs the twin's decode): the kernel reading the 2-, 4- or 8-bit asymmetric
+    codes + fp16 scales and zeros in place (keys per channel over blocks of 32 tokens, rotated to their positions
+    at read for pre-RoPE keys; kivi2 values per token group, pre-RoPE's int8 values) gives the SAME output and
+    certificate stats (sums and logit bound e), bit for bit, as the kernel reading the twin's decode() of them as
+    fp32 rows (k~ = fl(code scale + zero), rotated by prerope._rotate's fp32 operations: another bit order, scale,
+    zero, table row or rotation sign gives other logits), in the AVX2 build and the scalar one."""
+    codes, rows, q, qpos, ngv, bands, _ = _asym_case(case)
+    lut, b64, s = _log_table("cpu").to(torch.float32).contiguous(), bands.to(torch.int64).contiguous(), q.shape[-1] ** -0.5
+    rep = f"case {json.dumps(case)}"
+    got = {}
+    for sc in (False, True):
+        got[sc] = cpu_fused._run(q, qpos, codes, s, b64, 1, ngv, case["certify"], lut, scalar=sc)
+        want = cpu_fused._run(q, qpos, rows, s, b64, 1, 1, case["certify"], lut, scalar=sc)
+        assert torch.equal(got[sc][0], want[0]), "output differs from the decoded rows' " + rep
+        assert torch.equal(got[sc][1].view(torch.int64), want[1].view(torch.int64)), "stats differ " + rep
+    assert torch.equal(got[False][0], got[True][0]) and torch.equal(got[False][1].view(torch.int64), got[True][1].view(torch.int64)), rep
+
+
+@pytest.mark.parametrize("what", ["wrong_position", "sign_flip", "zero_shift", "bit_order"])
+def test_asym_read_sees_mutations(what):
+    """The differential above can fail: a kernel given another table row (pos0 + 1), the inverse rotation's sign,
+    zeros one fp16 ulp off or the codes in another bit order reads other keys, and its logits (so the output) differ
+    from the twin's decoded rows."""
+    case = {"seed": 3, "B": 1, "T": 1, "Hkv": 1, "G": 2, "blocks": 1, "D": 64, "layout": "prerope4", "t0": 8,
+            "certify": True, "mag": 1.0, "holes": False}
+    if what in ("zero_shift", "bit_order"):
+        case["layout"] = "kivi2"
+    codes, rows, q, qpos, ngv, bands, (kk, _, _) = _asym_case(case)
+    lut, b64, s = _log_table("cpu").to(torch.float32).contiguous(), bands.to(torch.int64).contiguous(), 0.125
+    want = cpu_fused._run(q, qpos, rows, s, b64, 1, 1, True, lut)[0]
+    assert torch.equal(cpu_fused._run(q, qpos, codes, s, b64, 1, ngv, True, lut)[0], want)
+    ka = codes[0]
+    c0 = ka["c"]
+    if what == "wrong_position":
+        c0.rpos0 += 1
+    elif what == "sign_flip":  # the inverse rotation: -sin
+        t = -ka["rope"][1]
+        ka["mutant"] = t
+        c0.rsin = t.data_ptr()
+    elif what == "zero_shift":
+        t = kk.get("zero").view(torch.int16) + 1
+        ka["mutant"] = t
+        c0.kz = t.data_ptr()
+    else:  # the four 2-bit codes of each byte in the reverse order
+        b = kk.get("codes").contiguous()
+        t = ((b & 3) << 6) | ((b & 12) << 2) | ((b >> 2) & 12) | (b >> 6)
+        ka["mutant"] = t
+        c0.k = t.data_ptr()
+    assert not torch.equal(cpu_fused._run(q, qpos, codes, s, b64, 1, ngv, True, lut)[0], want), what
+
+
+@pytest.mark.parametrize("what", ["bits", "block", "scales_shape", "zeros_dtype", "rope_range", "rope_width", "both_k",
+                                  "values_int4", "codes_width"])
+def test_asym_bad_inputs_one_value_error(what):
+    """Everything seg() trusts for asymmetric codes is checked: bit widths, a block that does not divide the tokens,
+    scales / zeros of another shape or dtype, table positions beyond the tables, tables of another width, keys given
+    twice, values that are neither 2-bit asymmetric nor int8, codes of another width: one ValueError each."""
+    from dataclasses import replace
+    case = {"seed": 1, "B": 1, "T": 1, "Hkv": 1, "G": 1, "blocks": 1, "D": 64, "layout": "prerope4", "t0": 0,
+            "certify": True, "mag": 1.0, "holes": False}
+    codes, rows, q, qpos, ngv, bands, (kk, k, _) = _asym_case(case)
+    from fast.core.prerope import rope_tables
+    cos, sin, _ = rope_tables(64, 10000.0, 256)
+    ka = cpu_fused.AsymKeys(kk.get("codes"), kk.get("scale"), kk.get("zero"), 4, 32, (cos, sin, 0))
+    vq = fast.quantize(torch.randn(1, 1, 32, 64), "int8")
+    kw = dict(k_asym=ka, v=vq.codes, v_scales=vq.scales)
+    cpu_fused.seg(1, 32, **kw)  # the good call
+    bad = {"bits": dict(kw, k_asym=replace(ka, bits=3)), "block": dict(kw, k_asym=replace(ka, block=24)),
+           "scales_shape": dict(kw, k_asym=replace(ka, scales=ka.scales[..., :32])),
+           "zeros_dtype": dict(kw, k_asym=replace(ka, zeros=ka.zeros.float())),
+           "rope_range": dict(kw, k_asym=replace(ka, rope=(cos, sin, 240))),
+           "rope_width": dict(kw, k_asym=replace(ka, rope=(cos[:, :16].contiguous(), sin[:, :16].contiguous(), 0))),
+           "both_k": dict(kw, k=kk.get("codes")),
+           "values_int4": dict(kw, v=fast.quantize(torch.randn(1, 1, 32, 64), "int4").codes),
+           "codes_width": dict(kw, k_asym=replace(ka, codes=torch.cat([ka.codes, ka.codes], -1)))}[what]
+    with pytest.raises(ValueError):
+        cpu_fused.seg(1, 32, **bad)

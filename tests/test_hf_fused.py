@@ -38,11 +38,16 @@ def _run(cache_cls, attn, ids, steps, before_step=None, scheme="int8", **kw):
     return torch.stack(logits), cache
 
 
-@pytest.mark.parametrize("scheme,derived", [("int8", False), ("int4", False), ("int4", True)])
+@pytest.mark.parametrize("scheme,derived", [("int8", False), ("int4", False), ("int4", True), ("kivi2", False),
+                                            ("prerope_int4", False), ("prerope_int8", False)])
 def test_decode_matches_meter(monkeypatch, scheme, derived):
-    """int8 and int4 (packed codes read in place; witness stored as log codes, or derived from the scales)."""
+    """int8 and int4 (packed codes read in place; witness stored as log codes, or derived from the scales), kivi2
+    (2-bit codes, keys per channel over blocks of 32 tokens) and pre-RoPE keys (rotated at read)."""
     monkeypatch.setattr(hf_fused, "FLUSH_BLOCK", 1)  # the meter's cache flushes every step: same contents
-    ids = tiny_ids(B=2, N=60)
+    ids = tiny_ids(B=2, N=70)
+    if scheme.startswith("prerope"):
+        from fast.core.prerope import prerope_scheme
+        scheme = prerope_scheme(tiny_llama().config, bits=int(scheme[-1]))
     kw = dict(window=8, sinks=4, scheme=scheme, derived=derived)
     ref_logits, ref_cache = _run(TwinCache, "kvcert", ids, 6, **kw)
     fus_logits, fus_cache = _run(FusedCertifiedCache, hf_fused.NAME, ids, 6, **kw)

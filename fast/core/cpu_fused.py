@@ -22,7 +22,13 @@ operations in its order, so a -DKVCERT_SCALAR build gives the same bits (tests/t
 Supported: keys and values both int8 QTensor (scheme "int8"), both int4 QTensor (scheme "int4": codes
 packed two per byte, read in place, unpacked in registers) with any group count, or both float;
 rho None (derived from the scales, fast.core.witness.witness_from_scales, for int8 and int4 alike),
-fp32/fp16, or uint8 log codes. Anything else (fp8, dither, kivi2, v_err) goes to the torch twin.
+fp32/fp16, or uint8 log codes. Through seg(k_asym=AsymKeys(..), v_asym=AsymValues(..)) (the cache's
+FusedLayer, fast.integrations.hf_fused) also asymmetric codes: kivi2 (2-bit keys per channel over blocks of
+32 tokens, 2-bit values per token group) and pre-RoPE keys (4 or 8 bits per channel block, rotated to their
+positions at read) with int8 values, decoded in registers with the twin's fp32 operations (csrc: asym_row):
+x~ = fl(code scale + zero), code scale exact (<= 8-bit code, 11-bit scale), then prerope._rotate's
+fl(fl(x c) + fl(-y s)); the same bits as the twin's decode() read as fp32 rows (tests/test_cpu_fused.py), and the
+logit bound e takes those rows' own max |k~| per channel. Anything else (fp8, dither, v_err) goes to the torch twin.
 
 The certificate: the same forms, from the same fast.core.certify.forms_from_pmz, as the twin.
 Re-derived here is only how Z, P = sum w expm1(c), M = sum w (1 - e^-c) are bounded: the kernel
@@ -86,6 +92,7 @@ output flag -> ValueError (attention_rows also runs the twin's input checks firs
 import ctypes
 import functools
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -312,14 +319,18 @@ def _check_head_dim(D):
         raise ValueError(f"head size D = {D}: the kernel needs a multiple of 8 in [8, 512]")
 
 
-def seg(Hkv, n, *, k=None, v=None, k_scales=None, v_scales=None, rho=None, valid=None, exact=None, pos=None):
+def seg(Hkv, n, *, k=None, v=None, k_scales=None, v_scales=None, rho=None, valid=None, exact=None, pos=None,
+        k_asym=None, v_asym=None):
     """One kernel segment: keys/values int8 codes [B, Hkv, N, D], packed int4 codes (uint8 [B, Hkv, N, D / 2],
     fast.core.quant's layout: channel d in byte d // 2, low nibble = even channel, code = nibble - 8), each with
     fp16 scales [.., N, ng], ng dividing D (int16 views of them accepted), or fp32 rows [B, Hkv, N, D]; rho [B, Hkv, N, NB] uint8 log codes or fp32 (None: c = 0,
     exact tokens); valid / exact uint8 or bool [B, Hkv, N] (size 1 or stride 0 broadcasts in B, Hkv); pos
     int32 [B, Hkv, N] (None: storage index). Every shape, dtype, stride and count the kernel trusts is
     checked here (ValueError); _run checks the segments against the query. Tensors are kept alive by the
-    returned dict."""
+    returned dict.
+    Asymmetric codes (x~ = code * scale + zero, the twin's fp32 operations): k_asym = AsymKeys(...) (codes per
+    channel over blocks of tokens: fast.core.schemes KiviKeys, fast.core.prerope PreRopeKeys, rotated at read), and
+    v_asym = AsymValues(...) (per token groups: KiviValues); k / v and k_scales / v_scales are then taken from them."""
     if isinstance(Hkv, bool) or not isinstance(Hkv, int) or Hkv < 1 or isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"seg: Hkv >= 1 and n >= 0 integers, got {Hkv!r}, {n!r}")
     c = _Seg()
@@ -327,17 +338,15 @@ def seg(Hkv, n, *, k=None, v=None, k_scales=None, v_scales=None, rho=None, valid
     keep = {"Hkv": Hkv, "c": c}
     if n == 0:
         return keep
+    if k_asym is not None or v_asym is not None:
+        return _asym_seg(Hkv, n, c, keep, k, v, k_scales, v_scales, k_asym, v_asym, rho, valid, exact, pos)
     if k is None or v is None:
         raise ValueError("seg: keys and values are required for n > 0")
     B, W = (k.shape[0], k.shape[3]) if isinstance(k, torch.Tensor) and k.dim() == 4 else (0, 0)
     packed = isinstance(k, torch.Tensor) and k.dtype == torch.uint8  # int4: two codes per byte, [.., N, D / 2]
     D = 2 * W if packed else W
     for name, t in (("k", k), ("v", v)):
-        p, sb, sh = _check_block(name, t, (torch.int8, torch.uint8, torch.float32), (B, Hkv, n, W))
-        setattr(c, name, p)
-        setattr(c, f"{name}_sb", sb)
-        setattr(c, f"{name}_sh", sh)
-        keep[name] = t
+        _set(c, keep, name, name, t, (torch.int8, torch.uint8, torch.float32), (B, Hkv, n, W))
     _check_head_dim(D)
     if k.dtype != v.dtype:
         raise ValueError("k and v: both int8 codes, both packed int4 codes (uint8 [.., N, D / 2]) or both fp32 rows")
@@ -355,23 +364,115 @@ def seg(Hkv, n, *, k=None, v=None, k_scales=None, v_scales=None, rho=None, valid
     elif k_scales is not None or v_scales is not None:
         raise ValueError("k_scales / v_scales: only for integer codes")
     keep["B"], keep["D"], keep["ng"] = B, D, tuple(ng)
-    checks = {"ks": ((torch.int16,), (B, Hkv, n, None), False), "vs": ((torch.int16,), (B, Hkv, n, None), False),
-              "rho": ((torch.uint8, torch.float32), (B, Hkv, n, None), False),
-              "valid": ((torch.uint8, torch.bool), (B, Hkv, n), True), "exact": ((torch.uint8, torch.bool), (B, Hkv, n), True),
-              "pos": ((torch.int32,), (B, Hkv, n), True)}
-    for name, t, f in (("ks", k_scales, "ks"), ("vs", v_scales, "vs"), ("rho", rho, "r"),
-                       ("valid", valid, "va"), ("exact", exact, "ex"), ("pos", pos, "p")):
-        if t is None:
-            continue
-        p, sb, sh = _check_block(name, t, *checks[name])
-        setattr(c, name, p)
-        setattr(c, f"{f}_sb", sb)
-        setattr(c, f"{f}_sh", sh)
-        keep[name] = t
+    for name, t in (("ks", k_scales), ("vs", v_scales)):
+        if t is not None:
+            _set(c, keep, name, name, t, (torch.int16,), (B, Hkv, n, None))
+    return _witness_and_flags(c, keep, B, Hkv, n, rho, valid, exact, pos)
+
+
+def _set(c, keep, name, field, t, dtypes, shape, bcast=False):
+    """Check t (_check_block) and point the segment's pointer `name` and its b / h strides `field`_sb / _sh at it."""
+    p, sb, sh = _check_block(name, t, dtypes, shape, bcast)
+    setattr(c, name, p)
+    setattr(c, f"{field}_sb", sb)
+    setattr(c, f"{field}_sh", sh)
+    keep[name] = t
+
+
+def _witness_and_flags(c, keep, B, Hkv, n, rho, valid, exact, pos):
+    checks = {"rho": ((torch.uint8, torch.float32), (B, Hkv, n, None), False, "r"),
+              "valid": ((torch.uint8, torch.bool), (B, Hkv, n), True, "va"),
+              "exact": ((torch.uint8, torch.bool), (B, Hkv, n), True, "ex"), "pos": ((torch.int32,), (B, Hkv, n), True, "p")}
+    for name, t in (("rho", rho), ("valid", valid), ("exact", exact), ("pos", pos)):
+        if t is not None:
+            dtypes, shape, bcast, field = checks[name]
+            _set(c, keep, name, field, t, dtypes, shape, bcast)
     if rho is not None:
         c.rho_u8 = int(rho.dtype == torch.uint8)
     keep["NB"] = None if rho is None else rho.shape[-1]
     return keep
+
+
+@dataclass(frozen=True)
+class AsymKeys:
+    """Keys as asymmetric codes per channel over blocks of `block` tokens: codes uint8 [B, Hkv, N, D bits / 8]
+    (channel d at bits (d bits) % 8 of byte d bits // 8: fast.core.schemes._pack2, fast.core.prerope._pack4),
+    scales / zeros fp16 [B, Hkv, N / block, D]; k~ = fl(code scale + zero), then, with rope = (cos, sin, pos0)
+    (fp32 [max_pos, D / 2]), rotated to position pos0 + j as fast.core.prerope._rotate."""
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    bits: int
+    block: int
+    rope: tuple = None
+
+
+@dataclass(frozen=True)
+class AsymValues:
+    """Values as asymmetric codes per token in ng groups of channels: codes uint8 [B, Hkv, N, D bits / 8],
+    scales / zeros fp16 [B, Hkv, N, ng] (fast.core.schemes KiviValues: bits 2)."""
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    bits: int
+
+
+def _asym_seg(Hkv, n, c, keep, k, v, k_scales, v_scales, ka, va, rho, valid, exact, pos):
+    """seg() with asymmetric keys (AsymKeys) and asymmetric (AsymValues) or int8 values."""
+    if not isinstance(ka, AsymKeys) or (va is not None and not isinstance(va, AsymValues)):
+        raise ValueError("k_asym: an AsymKeys (asymmetric values go with asymmetric keys), v_asym: an AsymValues or None")
+    if k is not None or k_scales is not None or (va is not None and (v is not None or v_scales is not None)):
+        raise ValueError("seg: give asymmetric keys (values) through k_asym (v_asym) only")
+    if ka.bits not in (2, 4, 8) or (va is not None and va.bits != 2):
+        raise ValueError(f"asymmetric codes: keys of 2, 4 or 8 bits, values of 2 bits, got {ka.bits}, {va and va.bits}")
+    kc = ka.codes
+    if not (isinstance(kc, torch.Tensor) and kc.dim() == 4 and kc.dtype == torch.uint8):
+        raise ValueError(f"k_asym.codes: uint8 [B, Hkv, N, D bits / 8], got {getattr(kc, 'dtype', kc)}")
+    B, D = kc.shape[0], kc.shape[3] * 8 // ka.bits
+    _check_head_dim(D)
+    blk = ka.block
+    if isinstance(blk, bool) or not isinstance(blk, int) or blk < 1 or n % blk:
+        raise ValueError(f"k_asym.block: a positive integer dividing the {n} tokens, got {blk!r}")
+    _set(c, keep, "k", "k", kc, (torch.uint8,), (B, Hkv, n, D * ka.bits // 8))
+    for name, field, t in (("ks", "ks", ka.scales), ("kz", "kz", ka.zeros)):
+        _set(c, keep, name, field, t.view(torch.int16) if isinstance(t, torch.Tensor) and t.dtype == torch.float16 else t,
+             (torch.int16,), (B, Hkv, n // blk, D))
+    c.kasym, c.kblk = ka.bits, blk
+    if ka.rope is not None:
+        cos, sin, pos0 = ka.rope
+        for name, t in (("cos", cos), ("sin", sin)):
+            if not (isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() == 2 and t.shape[1] == D // 2
+                    and t.is_contiguous() and t.device.type == "cpu"):
+                raise ValueError(f"k_asym.rope {name}: fp32 contiguous CPU [max_pos, {D // 2}]")
+        if cos.shape != sin.shape or isinstance(pos0, bool) or not isinstance(pos0, int) or pos0 < 0 or pos0 + n > cos.shape[0]:
+            raise ValueError(f"k_asym.rope: positions {pos0!r} .. {pos0!r} + {n} must lie in the tables ({cos.shape[0]} rows)")
+        c.rcos, c.rsin, c.rpos0 = cos.data_ptr(), sin.data_ptr(), pos0
+        keep["rope"] = (cos, sin)
+    ng = [1, 1]
+    if va is not None:
+        _set(c, keep, "v", "v", va.codes, (torch.uint8,), (B, Hkv, n, D * va.bits // 8))
+        sc = va.scales
+        ng[1] = sc.shape[-1] if isinstance(sc, torch.Tensor) and sc.dim() == 4 else 0
+        if ng[1] < 1 or D % ng[1]:
+            raise ValueError(f"v_asym.scales: fp16 [B, Hkv, N, ng], ng dividing D = {D}")
+        for name, field, t in (("vs", "vs", va.scales), ("vz", "vz", va.zeros)):
+            _set(c, keep, name, field, t.view(torch.int16) if isinstance(t, torch.Tensor) and t.dtype == torch.float16 else t,
+                 (torch.int16,), (B, Hkv, n, ng[1]))
+        c.vasym = va.bits
+    else:  # int8 codes per token (prerope's values)
+        if not isinstance(v, torch.Tensor) or v.dtype != torch.int8:
+            raise ValueError("v: int8 codes [B, Hkv, N, D] beside asymmetric keys (or v_asym)")
+        _set(c, keep, "v", "v", v, (torch.int8,), (B, Hkv, n, D))
+        if v_scales is None:
+            raise ValueError("v_scales: integer codes need their fp16 scales")
+        _check_block("v_scales", v_scales, (torch.float16, torch.int16), (B, Hkv, n, None))
+        ng[1] = v_scales.shape[-1]
+        if D % ng[1]:
+            raise ValueError(f"v_scales: {ng[1]} groups do not divide the head size {D}")
+        _set(c, keep, "vs", "vs", v_scales.view(torch.int16), (torch.int16,), (B, Hkv, n, None))
+    c.coded = 1
+    keep["B"], keep["D"], keep["ng"] = B, D, tuple(ng)
+    return _witness_and_flags(c, keep, B, Hkv, n, rho, valid, exact, pos)
 
 
 def paged_seg(n, *, k, v, rho, table, k_transposed):

@@ -18,6 +18,7 @@ import torch
 from fast.core.threads import read_threads
 
 SRC = Path(__file__).resolve().parent / "csrc" / "cpu_fused.cpp"
+ABI = 2  # csrc: kvcert_fused_abi (bumped with every change of Seg / Args)
 FLAGS = ["-O3", "-g", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp", "-fopenmp-simd", "-fPIC", "-shared", "-std=c++17"]
 
 
@@ -33,7 +34,11 @@ class _Seg(ctypes.Structure):
         ("pos", ctypes.c_void_p), ("p_sb", ctypes.c_int64), ("p_sh", ctypes.c_int64),
         ("n", ctypes.c_int64), ("coded", ctypes.c_int), ("rho_u8", ctypes.c_int),
         ("table", ctypes.c_void_p), ("tb_sb", ctypes.c_int64), ("bs", ctypes.c_int64), ("k_t", ctypes.c_int),
-        ("bs_log2", ctypes.c_int), ("int4", ctypes.c_int)]]
+        ("bs_log2", ctypes.c_int), ("int4", ctypes.c_int),
+        ("kz", ctypes.c_void_p), ("kz_sb", ctypes.c_int64), ("kz_sh", ctypes.c_int64),
+        ("vz", ctypes.c_void_p), ("vz_sb", ctypes.c_int64), ("vz_sh", ctypes.c_int64),
+        ("kasym", ctypes.c_int), ("vasym", ctypes.c_int), ("kblk", ctypes.c_int64),
+        ("rcos", ctypes.c_void_p), ("rsin", ctypes.c_void_p), ("rpos0", ctypes.c_int64)]]
 
 
 class _Args(ctypes.Structure):
@@ -94,6 +99,8 @@ def build(verbose=False, scalar=False, sanitize=False):
 def _lib(scalar=False):
     if scalar not in _LIB:
         lib = ctypes.CDLL(str(build(scalar=scalar, sanitize=sanitized())))
+        if lib.kvcert_fused_abi() != ABI:  # the _Seg / _Args layout above and the C++ structs must agree
+            raise RuntimeError(f"cpu_fused: the extension's ABI {lib.kvcert_fused_abi()} is not this module's {ABI}")
         lib.kvcert_fused_run.argtypes = [ctypes.POINTER(_Args)]
         lib.kvcert_fused_run.restype = None
         lib.kvcert_exp_check.argtypes = [ctypes.c_float, ctypes.POINTER(ctypes.c_double), ctypes.c_int]

@@ -179,4 +179,4 @@ def prerope_scheme(config=None, *, bits=4, head_dim=None, theta=None, max_pos=No
         from fast.core.quant import quantize
         return CodecStored(quantize(x, "int8", layer=layer, token_start=token_start))
 
-    return Scheme(f"prerope_int{bits}", encode_k, encode_v, block_k=BLOCK)
+    return Scheme(f"prerope_int{bits}", encode_k, encode_v, block_k=BLOCK, layout="prerope")

@@ -161,6 +161,8 @@ class KiviValues(Store):
     def encode(x):
         B, Hkv, n, D = x.shape
         g = min(KIVI_GROUP, D)
+        if D % g:
+            raise SchemeError(f"kivi2 values are quantized in groups of {KIVI_GROUP} channels: head size {D} is not a multiple")
         codes, scale, zero = _asym2(x.float().reshape(B, Hkv, n, D // g, g), dim=4)
         return KiviValues(codes=_pack2(codes.reshape(B, Hkv, n, D)), scale=scale[..., 0], zero=zero[..., 0])
 
@@ -261,7 +263,10 @@ class Scheme:
 
     block_k: keys are encoded in blocks of this many tokens (1 = per token; kivi2: 32);
     derived_witness: the stored payload has a uniform step with |error| <= step/2;
-    dither: the probabilistic tier (math.md T6) applies.
+    dither: the probabilistic tier (math.md T6) applies;
+    layout: the stored layout when it is one the fused CPU read takes in place (fast.integrations.hf_fused
+    FUSED_LAYOUTS: "int8", "int4", "kivi2", "prerope"), set by the built-in constructors only ("" otherwise:
+    a Scheme built by hand is read by the torch twin, whatever its name).
     """
     name: str
     encode_k: object  # (x [B,Hkv,n,D], layer, token_start, seed) -> Stored
@@ -272,6 +277,7 @@ class Scheme:
     deterministic: bool = True
     fn: object = None  # the user's round trip, for black-box schemes
     checked: dict = field(default_factory=dict)
+    layout: str = ""
 
     def roundtrip(self, x, layer=0, token_start=0, seed=0):
         """x_hat = decode(encode(x)) for keys: the scheme as one tensor function."""
@@ -287,11 +293,13 @@ def _codec_scheme(name):
                 qt = replace(qt, token_start=token_start)
             return CodecStored(qt)
         return encode
-    return Scheme(name, encoder(0), encoder(1), derived_witness=name in UNIFORM, dither=name in DITHER)
+    return Scheme(name, encoder(0), encoder(1), derived_witness=name in UNIFORM, dither=name in DITHER,
+                  layout=name if name in ("int8", "int4") else "")
 
 
 def _kivi_scheme():
-    return Scheme("kivi2", lambda x, *a: KiviKeys.encode(x), lambda x, *a: KiviValues.encode(x), block_k=KIVI_GROUP)
+    return Scheme("kivi2", lambda x, *a: KiviKeys.encode(x), lambda x, *a: KiviValues.encode(x), block_k=KIVI_GROUP,
+                  layout="kivi2")
 
 
 def _kivi_dither_scheme():

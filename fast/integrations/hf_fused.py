@@ -12,9 +12,10 @@ and "kvcert_fused" another name of the meter.
 
 What changes against CertifiedCache + the "kvcert" meter (fast.integrations.hf_meter):
 - update() does not rebuild the served fp32 [B, Hkv, N, D] tensors (CertifiedLayer.served): the
-  attention reads the layer's parts in place: int8 or packed int4 codes + fp16 scales + uint8
-  witness codes of the quantized part (segment 0), and the exact overlay (sinks) + exact tail
-  (segment 1, fp32).
+  attention reads the layer's parts in place: int8 or packed int4 codes + fp16 scales, kivi2's 2-bit
+  codes + fp16 scales and zeros, or pre-RoPE key codes (rotated at read) + int8 values, and the uint8
+  witness codes of the quantized part (segment 0; _codes), and the exact overlay (sinks) + exact tail
+  (segment 1, fp32). Which schemes: Scheme.layout in FUSED_LAYOUTS (set by the built-in constructors).
 - Every query row with a cache behind it goes through the kernel: decode (T = 1) and multi-token
   reads (a second turn, chunked prefill: row t at storage position n - T + t, causal).
 - Window leavers are quantized in blocks of FLUSH_BLOCK (one quantize + witness call per 32 steps
@@ -23,8 +24,8 @@ What changes against CertifiedCache + the "kvcert" meter (fast.integrations.hf_m
   step for all layers, after the last one: cache.records gets one record per (step, layer) as
   with the meter.
 Falls back to the torch twin (hf_meter's decode_step / rows_step, the served fp32 copy), certified
-the same way, where the kernel does not apply: schemes other than int8 and int4, gates, shadow
-mode, value or box bounds, the dithered schemes, non-fp32 models. The first prefill reads the exact
+the same way, where the kernel does not apply: fp8 and registered schemes, the dithered schemes, gates,
+shadow mode, value or box bounds, non-fp32 models. The first prefill reads the exact
 states with sdpa, as everywhere.
 """
 
@@ -36,6 +37,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from fast.core import cpu_fused
 from fast.core.attention import attention_rows as twin_rows
 from fast.core.certify import FORMS, logit_rounding, with_other_logits
+from fast.core.prerope import BLOCK as PRE_BLOCK
+from fast.core.schemes import KIVI_GROUP
 from fast.core.quant import max_abs
 from fast.integrations import hf_meter
 from fast.integrations.hf_layer import CertifiedLayer
@@ -49,6 +52,7 @@ def enable(model):
 
 
 FLUSH_BLOCK = 32  # tail tokens quantized together once the tail exceeds window + FLUSH_BLOCK
+FUSED_LAYOUTS = cpu_fused.FUSED_SCHEMES + ("kivi2", "prerope")  # Scheme.layout values the kernel reads in place
 
 
 _POS = [torch.zeros(0, dtype=torch.int32)]
@@ -80,7 +84,7 @@ class FusedLayer(CertifiedLayer):
             super()._flush(everything)
 
     def fused_ok(self):
-        """int8 or int4 (cpu_fused.FUSED_SCHEMES: codes read in place), no gate (so no repaired heads:
+        """A layout the kernel reads in place (FUSED_LAYOUTS: int8, int4, kivi2, prerope), no gate (so no repaired heads:
         only gates repair), no shadow, no value bound or box form, certified or certify=False, fp32 on
         CPU, kernel built. Fixed for the layer's life: computed once (it is asked
         twice per layer and step)."""
@@ -89,7 +93,7 @@ class FusedLayer(CertifiedLayer):
             if not self.is_initialized:
                 return False
             c = self.cache
-            ok = self._fused_ok = (c.scheme.name in cpu_fused.FUSED_SCHEMES and c.gate.kind == "none" and not c.shadow
+            ok = self._fused_ok = (c.scheme.layout in FUSED_LAYOUTS and c.gate.kind == "none" and not c.shadow
                                    and not c.value_bound and not c.box_form
                                    and self.dtype == torch.float32 and self.device.type == "cpu"
                                    and cpu_fused.available())
@@ -124,7 +128,6 @@ class FusedLayer(CertifiedLayer):
                 on = on & in_q & self.valid.gather(2, self.ex_idx) & ~_repeats(self.ex_idx, on)
             on_u8, ex_pos = on.view(u8).contiguous(), self.ex_idx.to(torch.int32)
             if nq:
-                kq, vq = self.kq.qt, self.vq.qt
                 vq0 = va[:, :, :nq]
                 if E:  # overlay tokens: their exact rows (segment 1) replace the codes
                     drop = torch.zeros(B, Hkv, nq + 1, dtype=u8)
@@ -133,10 +136,10 @@ class FusedLayer(CertifiedLayer):
                 rho = self.rho_codes
                 if self.derived:
                     from fast.core.witness import witness_from_step
-                    rho = witness_from_step(kq.step(), self.cache.bands)
-                s0 = cpu_fused.seg(Hkv, nq, k=kq.codes, v=vq.codes, k_scales=kq.scales.view(torch.int16),
-                                   v_scales=vq.scales.view(torch.int16), rho=rho if self.cache.certify else None, valid=vq0)
-                ng = (kq.scales.shape[-1], vq.scales.shape[-1])
+                    rho = witness_from_step(self.kq.qt.step(), self.cache.bands)
+                s0 = cpu_fused.seg(Hkv, nq, **_codes(self.cache.scheme.layout, self.kq, self.vq),
+                                   rho=rho if self.cache.certify else None, valid=vq0)
+                ng = s0["ng"]
             else:
                 s0, ng = cpu_fused.seg(Hkv, 0), (1, 1)
             self._seg0 = (key0, (s0, ng, on_u8, ex_pos), va[:, :, :nq].clone(), self.ex_on.clone())
@@ -151,6 +154,27 @@ class FusedLayer(CertifiedLayer):
             k1, v1, pos, val = self.k_tail, self.v_tail, tail_pos.contiguous(), va[:, :, nq:].contiguous()
         s1 = cpu_fused.seg(Hkv, k1.shape[2], k=k1, v=v1, valid=val, pos=pos)
         return [s0, s1], ng
+
+
+def _codes(layout, kq, vq):
+    """seg()'s arguments for a layer's stored keys and values (Stored payloads of fast.core.schemes / prerope) in the
+    scheme's layout: int8 / int4 QTensor codes + fp16 scales, kivi2's 2-bit codes (keys per channel over blocks
+    of 32 tokens, values per token group), prerope's pre-RoPE key codes (rotated at read) + int8 values."""
+    from fast.core.prerope import PreRopeKeys
+    from fast.core.schemes import KiviKeys, KiviValues
+    if layout in cpu_fused.FUSED_SCHEMES:
+        k, v = kq.qt, vq.qt
+        return dict(k=k.codes, v=v.codes, k_scales=k.scales.view(torch.int16), v_scales=v.scales.view(torch.int16))
+    if layout == "kivi2" and isinstance(kq, KiviKeys) and isinstance(vq, KiviValues):
+        return dict(k_asym=cpu_fused.AsymKeys(kq.get("codes"), kq.get("scale"), kq.get("zero"), 2, KIVI_GROUP),
+                    v_asym=cpu_fused.AsymValues(vq.get("codes"), vq.get("scale"), vq.get("zero"), 2))
+    if layout == "prerope" and isinstance(kq, PreRopeKeys) and vq.qt.scheme == "int8":
+        cos, sin, _ = kq.rope
+        v = vq.qt
+        return dict(k_asym=cpu_fused.AsymKeys(kq.get("codes"), kq.get("scale"), kq.get("zero"), kq.bits, PRE_BLOCK,
+                                              (cos.contiguous(), sin.contiguous(), kq.token_start)),
+                    v=v.codes, v_scales=v.scales.view(torch.int16))
+    raise RuntimeError(f"fused read: a {layout!r} layout stores {type(kq).__name__} / {type(vq).__name__}")
 
 
 def fused_read(layer, query, scale):

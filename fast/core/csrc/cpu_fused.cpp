@@ -2,7 +2,8 @@
 // certificate sums and the output, two passes over the cache (K codes, then V codes and the
 // witness), no fp32 copy of the history. The floating-point argument is in
 // fast/core/cpu_fused.py (module doc); this file must match it line by line:
-//   logits  x = fl(fl(q . k~) * s), k~ = code * scale (exact in fp32; int4: code = nibble - 8), or the fp32 row; the dot product in
+//   logits  x = fl(fl(q . k~) * s), k~ = code * scale (exact in fp32; int4: code = nibble - 8), fl(code * scale + zero) for
+//           asymmetric codes (kivi2, pre-RoPE keys then rotated: asym_row), or the fp32 row; the dot product in
 //           8 fma lanes (lane l: d = l, l + 8, ...) and the tree ((a0+a1)+(a2+a3))+((a4+a5)+(a6+a7))
 //   weights w = kv_exp(fl(x - m))                                           (kv_exp: exhaustively checked)
 //   c       = fl(sum_b kappa_b rho_b)                                       (fp32, nonnegative terms)
@@ -161,6 +162,21 @@ struct Seg {
     int int4;     // coded: packed 4-bit codes (fast.core.quant int4): uint8 [.., N, D / 2], channel d in byte d / 2, low
                   // nibble = even channel, code = nibble - 8 in [-7, 7] (nibble 0 is no code quantize writes: read as NaN,
                   // so the logit / output flag refuses it; the logit bound e takes |code| <= 7, as QTensor.max_abs)
+    // Asymmetric codes (coded, int4 = 0): x~ = fl(code * scale + zero), code * scale exact (a code of <= 8 bits times an
+    // 11-bit fp16 scale), one rounding for the sum: the twin's c * scale + zero, bit for bit.
+    // kasym (keys) 2, 4 or 8 bits, per channel over blocks of kblk tokens (fast.core.schemes KiviKeys, fast.core.prerope
+    // PreRopeKeys): codes uint8 [.., N, D bits / 8] (channel d at bits (d bits) % 8 of byte d bits / 8), scales (ks) and
+    // zeros (kz) fp16 [.., N / kblk, D]; the logit bound e takes the decoded rows' own max |k~| (as for fp32 rows).
+    // vasym (values) 2 bits, per token in ngv groups (KiviValues): codes uint8 [.., N, D / 4], vs / vz [.., N, ngv].
+    // Otherwise the symmetric codes above (int8, or int4).
+    const uint16_t* kz; int64_t kz_sb, kz_sh;
+    const uint16_t* vz; int64_t vz_sb, vz_sh;
+    int kasym, vasym;
+    int64_t kblk;
+    // keys rotated at read (kasym only, fast.core.prerope): the key at storage index j is rotate_half RoPE of the decoded
+    // pre-RoPE row at position rpos0 + j, fl(fl(x_d c) + fl(-x_{d+D/2} s)) / fl(fl(x_d c) + fl(x_{d-D/2} s)) with the fp32
+    // tables rcos / rsin [rmax, D / 2] (prerope._rotate's operations); null = no rotation
+    const float* rcos; const float* rsin; int64_t rpos0;
 };
 
 // element offset of token j's row (length len) in an array of the segment with strides (sb, sh)
@@ -204,6 +220,106 @@ inline void block_flags(const Seg& sg, int64_t b, int64_t h, int64_t j, uint8_t*
     }
 }
 
+#if KVCERT_AVX2 && defined(__F16C__)
+#define KVCERT_F16C 1
+#else
+#define KVCERT_F16C 0
+#endif
+
+#if KVCERT_AVX2
+// the 8 codes of `bits` bits (2, 4 or 8) of channels d .. d + 7 (d a multiple of 8) as int32 lanes: channel d + l at bits
+// ((d + l) bits) % 8 of byte (d + l) bits / 8 (fast.core.schemes._pack2, fast.core.prerope._pack4, one byte each), the
+// scalar loop's (code[bit / 8] >> bit % 8) & (2^bits - 1): the 8 codes fill 2, 4 or 8 adjacent bytes
+inline __m256i codes8(const uint8_t* code, int bits, int64_t d) {
+    const uint8_t* p = code + d * bits / 8;
+    if (bits == 8) return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+    // 2 or 4 bytes, little-endian: channel d + l at bits l * bits of w
+    if (bits == 2) {
+        uint16_t w;
+        std::memcpy(&w, p, 2);
+        return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                                _mm256_set1_epi32(3));
+    }
+    int32_t w;
+    std::memcpy(&w, p, 4);
+    return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                            _mm256_set1_epi32(15));
+}
+#endif
+
+// Row jj of an asymmetric segment (Seg: kasym / vasym): x~ = fl(code * scale + zero) into buf, keys rotated when the segment
+// has RoPE tables; smax (keys): per channel max |k~| into smax[D + d], as for fp32 rows. The AVX2 loop computes the same
+// products and sums as the scalar one (the fp16 scales and zeros converted exactly either way), so the same bits.
+inline const float* asym_row(const Seg& sg, bool values, int64_t b, int64_t h, int64_t jj, int64_t D, int64_t ng,
+                             float* buf, float* smax) {
+    const int bits = values ? sg.vasym : sg.kasym;
+    const uint8_t* code = (const uint8_t*)(values ? sg.v : sg.k) + b * (values ? sg.v_sb : sg.k_sb) + h * (values ? sg.v_sh : sg.k_sh)
+                          + jj * (D * bits / 8);
+    const uint16_t *sc, *zc;
+    int64_t gw;  // channels per scale: D / ngv (values, one row per token), 1 (keys, one row per block of kblk tokens)
+    if (values) {
+        sc = sg.vs + b * sg.vs_sb + h * sg.vs_sh + jj * ng;
+        zc = sg.vz + b * sg.vz_sb + h * sg.vz_sh + jj * ng;
+        gw = D / ng;
+    } else {
+        sc = sg.ks + b * sg.ks_sb + h * sg.ks_sh + (jj / sg.kblk) * D;
+        zc = sg.kz + b * sg.kz_sb + h * sg.kz_sh + (jj / sg.kblk) * D;
+        gw = 1;
+    }
+    const bool rot = !values && sg.rcos;
+    float pre[512];
+    float* x = rot ? pre : buf;
+    int64_t d = 0;
+#if KVCERT_AVX2
+    if (gw == 1) {  // a scale and a zero per channel
+        for (; d + 8 <= D; d += 8) {
+#if KVCERT_F16C
+            const __m256 s8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sc + d)));
+            const __m256 z8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(zc + d)));
+#else
+            alignas(32) float sf[8], zf[8];
+            for (int l = 0; l < 8; ++l) { sf[l] = half_to_float(sc[d + l]); zf[l] = half_to_float(zc[d + l]); }
+            const __m256 s8 = _mm256_load_ps(sf), z8 = _mm256_load_ps(zf);
+#endif
+            _mm256_storeu_ps(x + d, _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(codes8(code, bits, d)), s8), z8));
+        }
+    } else if (gw % 8 == 0) {  // one per group of gw channels
+        for (int64_t g = 0; g < ng; ++g) {
+            const __m256 s8 = _mm256_set1_ps(half_to_float(sc[g])), z8 = _mm256_set1_ps(half_to_float(zc[g]));
+            for (d = g * gw; d < (g + 1) * gw; d += 8)
+                _mm256_storeu_ps(x + d, _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(codes8(code, bits, d)), s8), z8));
+        }
+    }
+#endif
+    for (; d < D; ++d) {
+        const int64_t bit = d * bits;
+        const int c = (code[bit >> 3] >> (bit & 7)) & ((1 << bits) - 1);
+        const float p = (float)c * half_to_float(sc[d / gw]);
+        x[d] = p + half_to_float(zc[d / gw]);
+    }
+    if (rot) {
+        const int64_t hd = D / 2;
+        const float* cs = sg.rcos + (sg.rpos0 + jj) * hd;
+        const float* sn = sg.rsin + (sg.rpos0 + jj) * hd;
+        for (int64_t i = 0; i < hd; ++i) {
+            const float a = pre[i] * cs[i], bq = -pre[i + hd] * sn[i];
+            const float c2 = pre[i + hd] * cs[i], d2 = pre[i] * sn[i];
+            buf[i] = a + bq;
+            buf[i + hd] = c2 + d2;
+        }
+    }
+    if (smax) {
+        int64_t dd = 0;
+#if KVCERT_AVX2
+        const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        for (; dd + 8 <= D; dd += 8)  // max of nonnegative numbers (a NaN row: the logit flag refuses the read anyway)
+            _mm256_storeu_ps(smax + D + dd, _mm256_max_ps(_mm256_loadu_ps(smax + D + dd), _mm256_and_ps(_mm256_loadu_ps(buf + dd), absm)));
+#endif
+        for (; dd < D; ++dd) smax[D + dd] = std::max(smax[D + dd], std::fabs(buf[dd]));
+    }
+    return buf;
+}
+
 // Row jj of a segment's keys (values = false) or values, as fp32: code * scale (exact in fp32: 8- or 4-bit code,
 // 11-bit fp16 scale) written into buf, or a pointer to the fp32 row. smax (keys only, may be null):
 // per group max of the scales (codes: smax[g]) or per channel max of |k| (fp32 rows: smax[D + d]).
@@ -224,6 +340,7 @@ inline const float* seg_row(const Seg& sg, bool values, int64_t b, int64_t h, in
             for (int64_t d = 0; d < D; ++d) smax[D + d] = std::max(smax[D + d], std::fabs(r[d]));
         return r;
     }
+    if (values ? sg.vasym : sg.kasym) return asym_row(sg, values, b, h, jj, D, ng, buf, smax);
     const uint16_t* sc = values ? sg.vs + b * sg.vs_sb + h * sg.vs_sh + jj * ng : sg.ks + b * sg.ks_sb + h * sg.ks_sh + jj * ng;
     const int64_t gw = D / ng;
     if (sg.int4) {
@@ -486,7 +603,7 @@ void run(const Args& a) {
             int64_t pj[8];
             const float* kp[8];  // kb + t D (codes) or the fp32 row itself
             for (int t = 0; t < 8; ++t)
-                kp[t] = seg_row(sg, false, b, h, j + t, D, sg.coded ? a.ngk : 1, kb + t * D, sg.coded ? gm : km);
+                kp[t] = seg_row(sg, false, b, h, j + t, D, sg.coded ? a.ngk : 1, kb + t * D, (sg.coded && !sg.kasym) ? gm : km);
             block_flags(sg, b, h, j, vj, pj);
             for (int64_t r = 0; r < R; ++r) {
                 const float* qq = &qr[r * D];
@@ -516,7 +633,7 @@ void run(const Args& a) {
             const bool quant = j < N0;
             const Seg& sg = a.seg[quant ? 0 : 1];
             const int64_t jj = quant ? j : j - N0;
-            const float* kr = seg_row(sg, false, b, h, jj, D, quant ? a.ngk : 1, kf, sg.coded ? gm : km);
+            const float* kr = seg_row(sg, false, b, h, jj, D, quant ? a.ngk : 1, kf, (sg.coded && !sg.kasym) ? gm : km);
             const bool vj = !sg.valid || sg.valid[b * sg.va_sb + h * sg.va_sh + jj];
             const int64_t pj = tok_pos(sg, b, h, jj, quant ? 0 : N0);
             for (int64_t r = 0; r < R; ++r) {
@@ -872,7 +989,7 @@ int epilogue(const double* st, int64_t rows, const EpiConst& k, float* out) {
 
 extern "C" {
 
-int kvcert_fused_abi() { return 1; }
+int kvcert_fused_abi() { return 2; }
 
 int kvcert_fused_avx2() { return KVCERT_AVX2; }
 
