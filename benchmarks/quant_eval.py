@@ -36,15 +36,19 @@ ALPHA = 0.05
 
 
 class LastQueries:
-    """A Collector that keeps the last prompt query of every layer: [B, H, D] (post-RoPE)."""
+    """A Collector that keeps the last prompt query of every layer: [B, H, D] (post-RoPE), and its last QWIN
+    query rows [B, H, QWIN, D] (the rows the meter's prefill fixes a subspace witness's basis from)."""
     needs = set()
+    read = None  # a collector that only observes (fast.policies.evictors.collecting: no read of its own)
 
     def __init__(self):
-        self.q, self.scale = {}, None
+        self.q, self.rows, self.scale = {}, {}, None
 
     def observe(self, module, query, key, attention_mask, scale):
+        from fast.core.subspace import QWIN
         if query.shape[2] > 1:
             self.q[module.layer_idx] = query[:, :, -1].float().clone()
+            self.rows[module.layer_idx] = query[:, :, -QWIN:].float().clone()
             self.scale = scale
 
 
@@ -97,14 +101,18 @@ def run_input(model, tok, ex, args):
     for scheme in args.schemes:
         for gate in args.gates:
             set_current(None)
-            shadow = gate == "none"
-            spec, *opts = gate.split("/")  # "ladder:0.2/box/keys": box_form=True, ladder_values=False
-            bad = set(opts) - {"box", "keys"}
+            spec, *opts = gate.split("/")  # "ladder:0.2/box/keys/sub8": box_form, ladder_values=False, subspace=8
+            shadow = spec == "none"
+            sub = [int(o[3:]) for o in opts if o.startswith("sub") and o[3:].isdigit()]
+            bad = set(opts) - {"box", "keys"} - {f"sub{m}" for m in sub}
             if bad:
-                raise SystemExit(f"gate {gate!r}: unknown option(s) {sorted(bad)} (use /box, /keys)")
+                raise SystemExit(f"gate {gate!r}: unknown option(s) {sorted(bad)} (use /box, /keys, /subM)")
             cache = CertifiedCache(model.config, scheme_for(scheme, model.config), gate=spec, shadow=shadow, seed=ex["seed"],
-                                   box_form="box" in opts, **({"ladder_values": False} if "keys" in opts else {}))
+                                   box_form="box" in opts, subspace=sub[0] if sub else 0,
+                                   **({"ladder_values": False} if "keys" in opts else {}))
             cache.fill_from(shared)
+            for l, layer in enumerate(cache.layers):  # the basis from the prefill's queries, as the meter's prefill does
+                layer.set_basis(col.rows[l])
             if gate.startswith("risk"):
                 apply_risk_from_queries(cache, col)
             out = greedy(model, cache, logits, allow, eos)
@@ -125,9 +133,40 @@ def run_input(model, tok, ex, args):
                     r["true_tv_mean"] = float(true.mean())
                     r["violations"] = int((pre < true * (1 - 1e-6)).sum())
                     r["checks"] = int(pre.numel())
+                    r["covered"] = int((pre <= COVER).sum())  # reads certified <= COVER
+                    r["looseness_hist"] = log_hist(pre, true)
             rec["runs"][f"{scheme}|{gate}"] = r
     model.set_attn_implementation("sdpa")
     return rec
+
+
+COVER = 0.2
+HIST_STEP = 0.01  # looseness histogram: bins of log10(bound / true TV) this wide
+
+
+def log_hist(bound, true):
+    """{bin: count} of log10(bound / true TV) per read in bins of HIST_STEP (reads with true TV 0 left out):
+    pooled over inputs, it gives the median and p90 of bound / true TV to within 10^HIST_STEP (2.3%)."""
+    ok = true > 0
+    b = torch.floor(torch.log10(bound[ok] / true[ok]) / HIST_STEP).long()
+    vals, counts = torch.unique(b, return_counts=True)
+    return {str(int(v)): int(c) for v, c in zip(vals, counts)}
+
+
+def hist_quantile(hists, q):
+    """The q-quantile of bound / true TV from pooled log_hist bins (the upper edge of the bin holding it)."""
+    pooled = {}
+    for h in hists:
+        for k, c in h.items():
+            pooled[int(k)] = pooled.get(int(k), 0) + c
+    total = sum(pooled.values())
+    if not total:
+        return None
+    seen = 0
+    for k in sorted(pooled):
+        seen += pooled[k]
+        if seen >= q * total:
+            return round(10 ** ((k + 1) * HIST_STEP), 3)
 
 
 def summarize(records, settings):
@@ -145,8 +184,8 @@ def summarize(records, settings):
             p, a, b = mcnemar(full, ok)
             ps.append(p)
             keys.append(key)
-            raw = [r["runs"][f"{scheme}|none"]["ok"] for r in records]
-            pg, ga, gb = mcnemar(raw, ok)
+            raw = [r["runs"].get(f"{scheme}|none", {}).get("ok") for r in records]
+            pg, ga, gb = mcnemar(raw, ok) if None not in raw else (1.0, 0, 0)  # no raw run: nothing to compare
             cells[key] = {
                 "scheme": scheme, "gate": gate, "n": n, "correct": sum(ok), "accuracy": round(sum(ok) / n, 4),
                 "accuracy_ci": wilson(sum(ok), n), "harmed": len(harmed), "n_answerable": len(ans),
@@ -164,6 +203,11 @@ def summarize(records, settings):
                 "cert_informative": _mean([x.get("cert_informative") for x in runs]),
                 "violations": sum(x.get("violations", 0) for x in runs), "checks": sum(x.get("checks", 0) for x in runs),
             }
+            if all("covered" in x for x in runs):
+                checks = cells[key]["checks"]
+                cells[key].update(coverage=round(sum(x["covered"] for x in runs) / max(checks, 1), 4),
+                                  looseness_median=hist_quantile([x["looseness_hist"] for x in runs], 0.5),
+                                  looseness_p90=hist_quantile([x["looseness_hist"] for x in runs], 0.9))
             if gate == "none":
                 cb = auroc([runs[i].get("cert_mean") for i in harmed], [runs[i].get("cert_mean") for i in unharmed])
                 tb = auroc([runs[i].get("true_tv_mean") for i in harmed], [runs[i].get("true_tv_mean") for i in unharmed])
@@ -265,7 +309,8 @@ def main(argv=None):
                     "prerope8: the pre-RoPE scheme (fast.core.prerope) at that key width")
     ap.add_argument("--gates", default="none,certified:0.2,risk:9", help="comma list of gates (none, certified:TAU, "
                     "ladder:TAU, risk:K); a /box suffix certifies reads that would trip the gate with the box form too; /keys (ladder only): "
-                    "the rungs refine the keys only, values stay at the scheme")
+                    "the rungs refine the keys only, values stay at the scheme; /subM: the query-subspace witness with m = M "
+                    "(fast.core.subspace); none/...: shadow mode (coverage and looseness against the exact keys)")
     ap.add_argument("--cert-steps", type=int, default=3)
     ap.add_argument("--seed0", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)

@@ -50,7 +50,7 @@ def _iv_band_norms(x, bands):
         sq = iv.mpf(0)
         for i in band:
             xi = iv.mpf(x[i])
-            sq += xi * xi
+            sq += xi ** 2  # a square: nonnegative also when xi straddles 0
         out.append(iv.sqrt(sq))
     return out
 

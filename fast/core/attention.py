@@ -283,7 +283,8 @@ def served_distance(a, b):
     return up32(band_norms_up(d, one_band)[..., 0])
 
 
-def attention_torch(q, k, v, rho, s, bands, valid, exact, certify=True, dense=None, kmax=None, vinfo=None, box_form=False):
+def attention_torch(q, k, v, rho, s, bands, valid, exact, certify=True, dense=None, kmax=None, vinfo=None, box_form=False,
+                    subspace=None):
     """Torch twin. Returns out [B, H, D] fp32 and the fp32 certificate dict (or None).
 
     valid: [B, N] (every row reads the same tokens), [B, H, N] (one mask per query row:
@@ -291,6 +292,10 @@ def attention_torch(q, k, v, rho, s, bands, valid, exact, certify=True, dense=No
     when the caller already has them; kmax: max_abs(k); vinfo: value_info(v, v_err), which adds
     the output bound "out_err" (math.md T5) to the certificate. box_form=True (opt-in, O(K N log N)
     per row) adds the box form "box" (spec T9, fast.core.box.box_form_of_read) into "min".
+    subspace: (U, a, tau, sigma), the query-subspace witness of the cache's keys (fast.core.subspace,
+    spec T4e; decode reads, valid [B, N] or None): every token's shift gets the signed interval
+    [lo, hi] = [max(lo_sub, -c), min(hi_sub, c)] (both enclosures hold, so their intersection does;
+    [0, 0] where c = 0: exact and padding tokens), certified in fp64 (subspace_forms).
 
     Logits x^ = fl(fl(q . k~) s32); for an int8 cache with one scale per token the scale is
     applied to the dot product instead (fl(fl(fl(q . m) scale) s32), k~ = m scale exactly):
@@ -332,11 +337,20 @@ def attention_torch(q, k, v, rho, s, bands, valid, exact, certify=True, dense=No
         sc_max = float(kx[1].max()) if kx[1].numel() else 0.0  # (FloatDot.v logit_rounding_le_code_f32_scaled)
         e = _up(e + (2.03 * D * s * sc_max + 1.02 * s) * 2.0 ** -150)
     cert = None
-    if N >= F32_MIN_N:
+    if subspace is not None:
+        c, _ = witness_bounds(q, q64, k, rho, bands, s, valid, exact, torch.float64)
+        x64 = xm.to(torch.float64)
+        w64 = torch.exp(x64 - x64.amax(-1, keepdim=True))
+        cert, lo, hi = subspace_forms(q, c, w64, subspace, bands, s, e, N, D)
+        if box_form:
+            from fast.core.box import box_form_of_read
+            cert = box_form_of_read(cert, w, None, e, vmask, D, lo=lo, hi=hi)
+        box_form = False
+    elif N >= F32_MIN_N:
         c, cmax = witness_bounds(q, q64, k, rho, bands, s, valid, exact, torch.float32)
         if float(cmax.max()) + 2 * float(e.max()) < CMAX32:  # else forms_from_pmz would refuse the row
             cert = forms_from_pmz(weighted_sums(w, c), cmax, e, N, D, torch.float32)
-    if cert is None:
+    if cert is None and subspace is None:
         c, cmax = witness_bounds(q, q64, k, rho, bands, s, valid, exact, torch.float64)
         x64 = xm.to(torch.float64)
         w64 = torch.exp(x64 - x64.amax(-1, keepdim=True))
@@ -347,6 +361,35 @@ def attention_torch(q, k, v, rho, s, bands, valid, exact, certify=True, dense=No
     if vinfo is not None:
         cert["out_err"] = output_error_bound(w, valid, vinfo, cert["min"], N, D, scaled=isinstance(vx, tuple))
     return out, cert
+
+
+def subspace_forms(q, c, w64, subspace, bands, s, e, N, D):
+    """(cert, lo, hi): the decode certificate from the query-subspace witness (fast.core.subspace, spec T4e)
+    intersected with the band witness. c: [B, H, N] fp64 witness bounds (0 at exact and padding tokens),
+    w64: fp64 softmax weights of the fp32 logits (0 at padding); lo, hi: [B, H, N] fp64 enclosures of the
+    exact shift x_j - x~_j. The closed forms are shift-invariant (softmax(x - t) = softmax(x)): with
+    |x_j - t - x~_j| <= c_t = max(hi_j - t, t - lo_j), the forms of forms_from_pmz at c_t bound the TV for
+    any t; t = 0 (c_0 <= c: never looser than the band witness) and t = the w-weighted mean of the
+    interval midpoints, the smaller certificate per row."""
+    from fast.core.subspace import shift_bounds
+    lo_s, hi_s = shift_bounds(q, *subspace, bands, s)
+    zero = c == 0
+    lo = torch.maximum(lo_s, -c).masked_fill(zero, 0.0)
+    hi = torch.minimum(hi_s, c).masked_fill(zero, 0.0)
+    if bool((lo > hi).any()):  # two enclosures of one number cannot be disjoint: a stored witness is wrong
+        raise RuntimeError("subspace witness: an interval disjoint from the band witness's (a stale or corrupt store)")
+    W = w64.sum(-1, keepdim=True)
+    t = ((w64 * (0.5 * lo + 0.5 * hi)).sum(-1, keepdim=True) / W).nan_to_num(0.0)
+    best = None
+    for tt in (torch.zeros_like(t), t):
+        ct = torch.maximum(up64(hi - tt), up64(tt - lo))
+        cert = forms_from_pmz(weighted_sums(w64, ct.clamp(max=SATURATE_C)), ct.amax(-1), e, N, D, torch.float64)
+        if best is None:
+            best = cert
+        else:
+            take = cert["min"] < best["min"]
+            best = {key: torch.where(take, cert[key], best[key]) for key in best}
+    return best, lo, hi
 
 
 def _check_rows(q, q_pos, k_pos, valid, N):
@@ -453,7 +496,7 @@ def _derive_rho(k, rho, bands, certify, backend, q):
 
 
 def decode_attention(q, k, v, rho, scale, *, bands, valid=None, exact=None, backend="auto", certify=True, v_err=None,
-                     box_form=False):
+                     box_form=False, subspace=None):
     """Attention of one decode step and its certificate (math.md T2, T4, T8): attention_rows with
     T = 1 (one row per sequence, reading every valid token).
 
@@ -467,12 +510,14 @@ def decode_attention(q, k, v, rho, scale, *, bands, valid=None, exact=None, back
     backend: "auto" (Triton on CUDA, torch on CPU), "torch" or "triton".
     certify=False skips the certificate (the baseline of the meter-overhead benchmark).
     box_form=True (torch backend only, opt-in: a few ms per call) adds the box form (spec T9).
+    subspace=(U, a, tau, sigma) (torch backend only): the query-subspace witness of the keys
+    (fast.core.subspace, spec T4e), intersected with the band witness (attention_torch).
     """
     s, bands, rho, valid, exact = _check_inputs(q, k, v, rho, scale, bands, valid, exact)
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend: expected 'auto', 'torch' or 'triton', got {backend!r}")
-    if box_form and (backend == "triton" or (backend == "auto" and q.is_cuda)):
-        raise ValueError("box_form: torch backend only")
+    if (box_form or subspace is not None) and (backend == "triton" or (backend == "auto" and q.is_cuda)):
+        raise ValueError("box_form / subspace: torch backend only")
     vinfo = value_info(v, v_err) if (certify and v_err is not None) else None
     rho = _derive_rho(k, rho, bands, certify, backend, q)
     if backend == "triton" or (backend == "auto" and q.is_cuda):
@@ -481,4 +526,7 @@ def decode_attention(q, k, v, rho, scale, *, bands, valid=None, exact=None, back
         if vinfo is not None:
             cert["out_err"] = _served_out_err(out, attention_torch(q, k, v, rho, s, bands, valid, exact, True, vinfo=vinfo))
         return out, cert
-    return attention_torch(q, k, v, rho, s, bands, valid, exact, certify, vinfo=vinfo, box_form=box_form)
+    if subspace is not None and valid is not None and valid.dim() != 2:
+        raise ValueError("subspace: one valid mask per sequence ([B, N])")
+    return attention_torch(q, k, v, rho, s, bands, valid, exact, certify, vinfo=vinfo, box_form=box_form,
+                           subspace=subspace if certify else None)

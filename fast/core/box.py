@@ -166,10 +166,10 @@ def box_bound_enclosed(q_lo, q_hi, lo, hi, rounds=ROUNDS):
 
     q_lo, q_hi, lo, hi: [R, n] fp64, 0 <= q_lo <= q_hi, lo <= hi (tokens outside the softmax: q = 0).
     The grid and lambdas are chosen on the midpoint distribution (any choice is sound); rows with
-    max hi > SATURATE_C report 1.
+    max hi > SATURATE_C or min lo < -SATURATE_C report 1.
     """
     R, n = q_lo.shape
-    big = hi.amax(-1) > SATURATE_C
+    big = (hi.amax(-1) > SATURATE_C) | (lo.amin(-1) < -SATURATE_C)  # the clamps below would narrow a box: report 1
     lo_c, hi_c = lo.clamp(min=-SATURATE_C), hi.clamp(max=SATURATE_C)
     mid = 0.5 * (q_lo + q_hi)
     p = mid / mid.sum(-1, keepdim=True)
@@ -204,7 +204,7 @@ def box_tv_bound(p_tilde, c, *, return_grid=False):
     return out
 
 
-def box_form_of_read(cert, w, c, e, vmask, D):
+def box_form_of_read(cert, w, c, e, vmask, D, lo=None, hi=None):
     """Add the box form to a decode certificate of fast.core.attention.attention_torch (opt-in):
     cert["box"] [B, H] fp32 and cert["min"] = min(min, box). Like every other form, the box carries r_w
     (fast.core.certify.weight_rounding): it bounds the TV to the fp32 weights served.
@@ -217,12 +217,19 @@ def box_form_of_read(cert, w, c, e, vmask, D):
       q_hi = (w e^theta + 2^-126) / (W e^-theta - N 2^-126),  q_lo = (w e^-theta - 2^-126)^+ / (W e^theta + N 2^-126),
     W the fp64 sum of w within 2 gamma_N, every operation rounded outward; masked tokens q = 0.
     c: [B, H, N] fp32/fp64 (c + 2^-150 >= the witness bound, 0 at exact and masked tokens), e: [B, H]
-    numpy fp64, vmask: [B, 1 or H, N] bool or None."""
+    numpy fp64, vmask: [B, 1 or H, N] bool or None. Signed intervals (the query-subspace witness,
+    fast.core.attention.subspace_forms): lo, hi [B, H, N] fp64 with lo_j <= x_j - x~_j <= hi_j in place of
+    -c, c (c unused); the box is then [lo - d, hi + d], rounded outward."""
     from fast.core.certify import EXP32_EPS, U32, _up, weight_rounding
     B, H, N = w.shape
     e = np.asarray(e, dtype=np.float64)
     d = torch.from_numpy(_up(2 * e + 2.0 ** -149)).to(w.device).view(B, H, 1)
-    hi = up64(c.to(torch.float64) + d)
+    signed = lo is not None
+    if not signed:
+        hi = up64(c.to(torch.float64) + d)
+        lo = -hi
+    else:
+        lo, hi = down64(lo - d), up64(hi + d)
     theta = torch.from_numpy(_up(U32 * np.minimum(2 * e / ((D + 4) * U32), 88.0) + 2 * EXP32_EPS)).to(w.device).view(B, H, 1)
     e_up = up64(torch.exp(theta) * (1 + EXP_EPS))
     e_dn = down64(torch.exp(-theta) * (1 - EXP_EPS))
@@ -236,8 +243,13 @@ def box_form_of_read(cert, w, c, e, vmask, D):
     q_lo = down64(down64(down64(w64 * e_dn) - tiny).clamp(min=0) / z_up)
     if vmask is not None:
         m = vmask.expand(B, H, N)
-        q_hi, q_lo, hi = q_hi.masked_fill(~m, 0.0), q_lo.masked_fill(~m, 0.0), hi.masked_fill(~m, 0.0)
-    bound, _ = box_bound_enclosed(q_lo.reshape(B * H, N), q_hi.reshape(B * H, N), -hi.reshape(B * H, N), hi.reshape(B * H, N))
+        q_hi, q_lo, hi, lo = q_hi.masked_fill(~m, 0.0), q_lo.masked_fill(~m, 0.0), hi.masked_fill(~m, 0.0), lo.masked_fill(~m, 0.0)
+    # centred: x - t has the same softmax, so [lo - t, hi - t] are intervals of T9a too; t the midpoint of
+    # [min lo, max hi] keeps them inside box_bound_enclosed's range (it reports 1 beyond +-SATURATE_C)
+    if signed:
+        t = 0.5 * lo.amin(-1, keepdim=True) + 0.5 * hi.amax(-1, keepdim=True)
+        lo, hi = down64(lo - t), up64(hi - t)
+    bound, _ = box_bound_enclosed(q_lo.reshape(B * H, N), q_hi.reshape(B * H, N), lo.reshape(B * H, N), hi.reshape(B * H, N))
     # + r_w: the TV to the fp32 weights actually served, as every other form (proofs/Served.v tv_served_le)
     r_w = torch.from_numpy(weight_rounding(e, N, D)).to(w.device).reshape(B * H)
     cert["box"] = up32(up64(bound + r_w).clamp(max=1.0)).view(B, H)

@@ -50,6 +50,10 @@ class CertifiedCache(Cache):
     exact keys and values as before;
     box_form: decode reads whose certificate would trip the gate (every decode read without a
     threshold gate) are certified again with the box form too (spec T9, fast.core.box; torch path);
+    subspace: m > 0 stores the query-subspace witness (spec T4e, fast.core.subspace: per quantized token the m
+    coefficients of its key error along the top m directions of each KV head's first-read queries, as int8 codes
+    and one fp16 scale, plus 1 + NB log codes: m + 3 + NB bytes a token and KV head) and certifies decode reads with the signed
+    intervals it gives, intersected with the band witness (torch path; multi-row reads use the band witness);
     backend: "auto" (default) reads through the fused C++ kernel (fast.integrations.hf_fused) wherever
     it applies (FusedLayer.fused_ok: the read falls back to the torch twin elsewhere, certified the
     same way), "torch" always through the twin (the readable reference of the same computation).
@@ -57,7 +61,7 @@ class CertifiedCache(Cache):
 
     def __init__(self, config, scheme="int8", *, gate="none", sinks=4, window=32, shadow=False,
                  seed=None, delta_req=1e-3, offload="full", derived=False, nbands=NB, certify=True, value_bound=False,
-                 rungs=None, ladder_values=True, box_form=False, backend="auto"):
+                 rungs=None, ladder_values=True, box_form=False, backend="auto", subspace=0):
         self.config = config   # the model's config: its attention implementation must be the meter (check_meter)
         self.scheme = get_scheme(scheme)
         self.gate = parse_gate(gate)
@@ -88,6 +92,9 @@ class CertifiedCache(Cache):
             raise ValueError(f"ladder_values=False applies to gate ladder:TAU, not {self.gate}")
         self.ladder_values = bool(ladder_values)
         self.box_form = bool(box_form)
+        if isinstance(subspace, bool) or not isinstance(subspace, int) or not 0 <= subspace <= 64:
+            raise ValueError(f"subspace: the number m of basis directions, an integer in [0, 64] (0: off), got {subspace!r}")
+        self.subspace = subspace
         if backend not in ("auto", "torch"):
             raise ValueError(f"backend must be 'auto' (the fused C++ read where it applies) or 'torch', got {backend!r}")
         self.backend = backend

@@ -25,7 +25,7 @@ What changes against CertifiedCache + the "kvcert" meter (fast.integrations.hf_m
   with the meter.
 Falls back to the torch twin (hf_meter's decode_step / rows_step, the served fp32 copy), certified
 the same way, where the kernel does not apply: fp8 and registered schemes, the dithered schemes, gates,
-shadow mode, value or box bounds, non-fp32 models. The first prefill reads the exact
+shadow mode, value or box bounds, the subspace witness, non-fp32 models. The first prefill reads the exact
 states with sdpa, as everywhere.
 """
 
@@ -94,7 +94,7 @@ class FusedLayer(CertifiedLayer):
                 return False
             c = self.cache
             ok = self._fused_ok = (c.scheme.layout in FUSED_LAYOUTS and c.gate.kind == "none" and not c.shadow
-                                   and not c.value_bound and not c.box_form
+                                   and not c.value_bound and not c.box_form and not c.subspace
                                    and self.dtype == torch.float32 and self.device.type == "cpu"
                                    and cpu_fused.available())
         return ok

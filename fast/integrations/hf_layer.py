@@ -73,6 +73,12 @@ class CertifiedLayer(CacheLayerMixin):
         self.served_k = self.served_v = None
         self.traffic = 0       # repair traffic bytes (offload -> device)
         self._grow = {}        # preallocated growth for the append-only tensors below
+        # query-subspace witness (cache.subspace = m > 0; fast.core.subspace, spec T4e): the basis U, fixed at the
+        # layer's first read from its query rows, and per quantized token a (fp16 [.., m]), tau and sigma (log codes)
+        self.sub_U = None      # [B, Hkv, m, D] fp32
+        self.sub_a = self.sub_scale = None  # a = codes [B, Hkv, nq, m] int8 x scale [B, Hkv, nq] fp16
+        self.sub_tau = self.sub_sigma = None  # [B, Hkv, nq] u8, [B, Hkv, nq, NB] u8 log codes
+        self.sub_pending = []  # (k, k_hat) of tokens quantized before U was fixed (the first prefill's)
 
     def _append(self, name, x):
         """self.<name> = cat(self.<name>, x) along the token axis, amortised O(len(x))."""
@@ -177,6 +183,8 @@ class CertifiedLayer(CacheLayerMixin):
         vq = scheme.encode_v(v, L, self.nq, seed)
         k_hat = kq.decode().to(self.dtype)  # exactly what served() will return
         bands = self.cache.bands
+        if self.cache.subspace:
+            self._sub_write(k, k_hat)
         if not self.derived:
             if hasattr(kq, "witness_t3"):  # pre-RoPE scheme: witness from the pre-RoPE error (T3), fast.core.prerope
                 rho = kq.witness_t3(k, bands, self.dtype)
@@ -246,6 +254,58 @@ class CertifiedLayer(CacheLayerMixin):
             return codes
         self.rho_codes[:, h:h + 1, lo:hi] = codes
         return None
+
+    # ---- the query-subspace witness (cache.subspace = m) ----
+    def _sub_write(self, k, k_hat):
+        """Store the subspace witness of newly quantized keys k (exact) served as k_hat, or keep them until
+        the basis is fixed (set_basis)."""
+        if self.sub_U is None:
+            self.sub_pending.append((k.float().clone(), k_hat.float().clone()))
+            return
+        from fast.core.subspace import encode
+        codes, scale, tau, sigma = encode(k.float(), k_hat.float(), self.sub_U, self.cache.bands)
+        self._append("sub_a", codes)
+        self._append("sub_scale", scale)
+        self._append("sub_tau", pack_witness(tau))
+        self._append("sub_sigma", pack_witness(sigma))
+
+    def set_basis(self, query):
+        """Fix the layer's basis from its first read's query rows (query [B, H, T, D] post-RoPE, before any
+        decode query of the request's own reads beyond them) and write the witness of the tokens quantized
+        before it. Later calls do nothing: U is never changed once a token's witness depends on it."""
+        if not self.cache.subspace or self.sub_U is not None:
+            return
+        from fast.core.subspace import query_basis
+        self.sub_U = query_basis(query.float(), self.Hkv, min(self.cache.subspace, self.D))
+        pending, self.sub_pending = self.sub_pending, []
+        for k, k_hat in pending:
+            self._sub_write(k, k_hat)
+
+    def subspace_view(self):
+        """(U, a [B, Hkv, N, m] fp32, tau [B, Hkv, N] fp32, sigma [B, Hkv, N, NB] fp32) for the read, or None
+        (no subspace witness, or no basis yet: the band witness alone certifies the read). Tail tokens get 0
+        (exact: the read masks them anyway); KV heads off the cache's scheme (a rung up, repaired) serve other
+        keys than the witness is about: tau and sigma there are the largest fp32 ("unknown": a vacuous
+        interval, the band witness of their rung decides)."""
+        if not self.cache.subspace or self.sub_U is None or self.sub_pending:
+            return None
+        m, nb = self.sub_U.shape[2], self.cache.bands.shape[0]
+        a = torch.zeros(self.B, self.Hkv, self.n, m, device=self.device)
+        tau = torch.zeros(self.B, self.Hkv, self.n, device=self.device)
+        sigma = torch.zeros(self.B, self.Hkv, self.n, nb, device=self.device)
+        if self.nq:
+            from fast.core.subspace import coefficients
+            a[:, :, :self.nq] = coefficients(self.sub_a, self.sub_scale)
+            tau[:, :, :self.nq] = unpack_witness(self.sub_tau)
+            sigma[:, :, :self.nq] = unpack_witness(self.sub_sigma)
+        off = self.off_base()
+        if bool(off.any()):
+            big = torch.finfo(torch.float32).max
+            tau[:, off], sigma[:, off] = big, big
+        return self.sub_U, a, tau, sigma
+
+    def subspace_bytes(self):
+        return sum(t.nbytes for t in (self.sub_U, self.sub_a, self.sub_scale, self.sub_tau, self.sub_sigma) if t is not None)
 
     # ---- reading ----
     def _decode_into(self, stored, out):
@@ -427,6 +487,11 @@ class CertifiedLayer(CacheLayerMixin):
         self.kq, self.vq = self.kq.take(index), self.vq.take(index)
         if self.rho_codes is not None:
             self._set("rho_codes", _take(self.rho_codes, index))
+        if self.sub_pending:
+            raise ValueError("subspace witness: evict after the first read (the basis is fixed by the prefill's queries)")
+        for name in ("sub_a", "sub_scale", "sub_tau", "sub_sigma"):
+            if getattr(self, name) is not None:
+                self._set(name, _take(getattr(self, name), index))
         if self.res_k is not None:
             self.res_k, self.res_v = self.res_k.take(index), self.res_v.take(index)
             self._set("res_rho", _take(self.res_rho, index))
@@ -479,6 +544,7 @@ class CertifiedLayer(CacheLayerMixin):
             n += s.nbytes if s is not None else 0
         for t in (self.rho_codes, self.v_err):
             n += t.nbytes if t is not None else 0
+        n += self.subspace_bytes()
         n += sum(ex(t) for t in (self.k_tail, self.v_tail, self.ex_k, self.ex_v))
         n += sum(_up_bytes(st) for st in self.up.values())
         for h in range(self.Hkv):

@@ -70,24 +70,25 @@ def _valid_row(mask, n):
     return row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2
 
 
-def _attend(q, k, v, rho, scale, bands, valid, exact, v_err=None, q_pos=None, box_form=False):
+def _attend(q, k, v, rho, scale, bands, valid, exact, v_err=None, q_pos=None, box_form=False, sub=None):
     """decode_attention (q [B, H, D]) or, with q_pos [B, T], attention_rows (q [B, T, H, D]),
-    looping over KV heads only when eviction left per-head padding (valid [B, Hkv, N])."""
-    def one(qh, kh, vh, rh, vh_valid, eh, ve):
+    looping over KV heads only when eviction left per-head padding (valid [B, Hkv, N]).
+    sub: the layer's subspace_view() for decode reads (or None)."""
+    def one(qh, kh, vh, rh, vh_valid, eh, ve, sh):
         if q_pos is None:
-            backend = "torch" if box_form else "auto"
+            backend = "torch" if (box_form or sh is not None) else "auto"
             return decode_attention(qh, kh, vh, rh, scale, bands=bands, valid=vh_valid, exact=eh, v_err=ve,
-                                    backend=backend, box_form=box_form)
+                                    backend=backend, box_form=box_form, subspace=sh)
         return attention_rows(qh, kh, vh, rh, scale, bands=bands, q_pos=q_pos, valid=vh_valid, exact=eh, v_err=ve)
     if bool((valid == valid[:, :1]).all()):
-        return one(q, k, v, rho, valid[:, 0], exact, v_err)
+        return one(q, k, v, rho, valid[:, 0], exact, v_err, sub)
     Hkv = k.shape[1]
     G = q.shape[-2] // Hkv
     outs, certs = [], []
     for h in range(Hkv):
         sl = slice(h, h + 1)
         o, c = one(q[..., h * G:(h + 1) * G, :], k[:, sl], v[:, sl], rho[:, sl], valid[:, h], exact[:, sl],
-                   None if v_err is None else v_err[:, sl])
+                   None if v_err is None else v_err[:, sl], None if sub is None else tuple(t[:, sl] for t in sub))
         outs.append(o)
         certs.append(c)
     cert = {key: torch.cat([c[key] for c in certs], dim=-1) for key in certs[0]}
@@ -105,7 +106,8 @@ def served_probs(q, k, scale, valid):
 
 def _certify(layer, q, k, v, scale, valid, q_pos=None, box_form=False):
     rho, exact = layer.witness_codes()
-    return _attend(q, k, v, rho, scale, layer.cache.bands, valid, exact, layer.value_err_view(), q_pos, box_form)
+    sub = layer.subspace_view() if q_pos is None else None
+    return _attend(q, k, v, rho, scale, layer.cache.bands, valid, exact, layer.value_err_view(), q_pos, box_form, sub)
 
 
 def exact_output(p, v, Hkv):
@@ -309,6 +311,7 @@ def read(layer, query, key, value, scale, mask=None, module=None, **kwargs):
     through the path that applies: the fused C++ read (hf_fused.FusedLayer), the exact first
     prefill of an empty cache (no quantized key: no certificate), multi-row reads, decode.
     Returns (output as the attention interface returns it, phase)."""
+    layer.set_basis(query)  # the subspace witness's basis, from the layer's first read (a no-op after it, or without one)
     if layer.fused_ok() and layer.n > query.shape[2]:  # certified the same way, records alike
         layer.cache.scale = scale
         return (layer.fused_read(query, scale), None), "decode" if query.shape[2] == 1 else "rows"
