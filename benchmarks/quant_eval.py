@@ -208,7 +208,7 @@ def summarize(records, settings):
                 cells[key].update(coverage=round(sum(x["covered"] for x in runs) / max(checks, 1), 4),
                                   looseness_median=hist_quantile([x["looseness_hist"] for x in runs], 0.5),
                                   looseness_p90=hist_quantile([x["looseness_hist"] for x in runs], 0.9))
-            if gate == "none":
+            if gate.split("/")[0] == "none":  # shadow runs (none, none/box, none/subM...)
                 cb = auroc([runs[i].get("cert_mean") for i in harmed], [runs[i].get("cert_mean") for i in unharmed])
                 tb = auroc([runs[i].get("true_tv_mean") for i in harmed], [runs[i].get("true_tv_mean") for i in unharmed])
                 cells[key].update(auroc_cert_harm=cb, auroc_true_harm=tb, true_tv_mean=_mean([x.get("true_tv_mean") for x in runs]))
@@ -267,18 +267,21 @@ def tables(data):
                   f"{cells[next(iter(cells))]['fp16_bytes_per_token']:.0f})",
          "header": ["scheme", "gate", "accuracy", "harm rate", "p vs full (Holm)", "p gated vs raw", "bytes/token",
                     "repairs/request", "bytes/token at fp16 (x fp16)", "slots per rung (scheme .. exact)",
-                    "mean certificate", "AUROC cert vs harm", "AUROC true TV vs harm", "violations/checks"],
+                    "mean certificate", "AUROC cert vs harm", "AUROC true TV vs harm", "violations/checks",
+                    f"reads certified <= {COVER}", "bound / true TV: median [p90]"],
          "rows": []}
     for c in cells.values():
         t["rows"].append([c["scheme"], c["gate"], rate(c["correct"], c["n"]), rate(c["harmed"], c["n_answerable"]),
                           f"{c['mcnemar_vs_full']['p_holm']:.2g}",
-                          "-" if c["gate"] == "none" else f"{c['mcnemar_vs_raw']['p']:.2g}",
+                          "-" if c["gate"].split("/")[0] == "none" else f"{c['mcnemar_vs_raw']['p']:.2g}",
                           f"{c['bytes_per_token']:.0f}", f"{c['repairs_per_request']:.1f}", at16(c),
                           "-" if c.get("heads_per_rung_per_request") is None else
                           " / ".join(f"{x:g}" for x in c["heads_per_rung_per_request"]),
                           "-" if c["cert_mean"] is None else f"{c['cert_mean']:.3f}",
                           ci(c.get("auroc_cert_harm")), ci(c.get("auroc_true_harm")),
-                          f"{c['violations']}/{c['checks']}" if c["gate"] == "none" else "-"])
+                          f"{c['violations']}/{c['checks']}" if c["gate"].split("/")[0] == "none" else "-",
+                          "-" if c.get("coverage") is None else f"{100 * c['coverage']:.1f}%",
+                          "-" if c.get("looseness_median") is None else f"{c['looseness_median']:.2f} [{c['looseness_p90']:.2f}]"])
     return [t]
 
 

@@ -36,6 +36,7 @@ _LAZY = {
     "shrink_cache": ("fast.policies.evictors", "shrink_cache"),
     "Page": ("fast.policies.page", "Page"),
     "calibrate_page": ("fast.policies.page", "calibrate"),
+    "calibrate_basis": ("fast.policies.basis", "calibrate_basis"),
     "head_agreement_drop": ("fast.policies.page", "head_agreement_drop"),
 }
 

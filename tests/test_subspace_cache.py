@@ -159,3 +159,53 @@ def test_fused_path_steps_aside(model):
     cache = CertifiedCache(model.config, "int8", subspace=4)
     gen(model, tiny_ids(1, 70), cache, n=2)
     assert cache.fused_reads == 0 and not any(layer.fused_ok() for layer in cache.layers)
+
+
+def test_a_static_basis_serves_every_request(model):
+    """fast.calibrate_basis: one basis [L, Hkv, m, D] from calibration prompts, used by every request (no
+    per-request SVD, no pending tokens); sound on another prompt, a 1-token prompt included."""
+    import fast
+    basis = fast.calibrate_basis(model, [tiny_ids(1, 50, seed=7), tiny_ids(1, 30, seed=8)], m=8)
+    assert basis.shape == (2, 2, 8, 32) and basis.dtype == torch.float32
+    for ids in (tiny_ids(1, 70), tiny_ids(1, 1)):
+        cache = CertifiedCache(model.config, "int4", sinks=0, window=0, shadow=True, subspace=8, basis=basis)
+        gen(model, ids, cache, n=40 if ids.shape[1] == 1 else 6)
+        assert all(torch.equal(layer.sub_U[0], basis[i]) for i, layer in enumerate(cache.layers))
+        assert bool((stacked(cache, "true_tv") <= stacked(cache, "min")).all())
+        check_intervals(cache)
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype", "nan", "no_m"])
+def test_a_bad_basis_is_refused(model, bad):
+    basis = torch.randn(2, 2, 8, 32)
+    kw = {"subspace": 8}
+    if bad == "shape":
+        basis = basis[:, :, :4]
+    elif bad == "dtype":
+        basis = basis.double()
+    elif bad == "nan":
+        basis[0, 0, 0, 0] = float("nan")
+    else:
+        kw = {}
+    with pytest.raises(ValueError, match="basis"):
+        CertifiedCache(model.config, "int8", basis=basis, **kw)
+
+
+def test_cli_subspace(tmp_path, capsys):
+    """kvcert run --subspace M on a local model folder: the same answer, every bound <= the band witness's run."""
+    import json
+    from fast.tools.cli import main
+    from tests.tiny_model import save_tiny_model
+    folder = save_tiny_model(tmp_path / "m")
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("The grass is green. The sky is blue. " * 4 + "What colour is the sky?")
+    docs = {}
+    for m in ("0", "8"):
+        out = tmp_path / f"run{m}"
+        assert main(["run", "--model", str(folder), "--scheme", "int4", "--subspace", m, "--prompt-file", str(prompt),
+                     "--sinks", "0", "--window", "0", "--max-new-tokens", "4", "--out", str(out)]) == 0
+        docs[m] = json.loads((out / "trace.json").read_text())
+    assert docs["0"]["new_tokens"] == docs["8"]["new_tokens"]
+    assert docs["8"]["summary"]["worst_bound"] <= docs["0"]["summary"]["worst_bound"] + 1e-6
+    assert main(["run", "--model", str(folder), "--subspace", "-1", "--prompt-file", str(prompt), "--out", str(tmp_path / "x")]) == 2
+    assert "subspace" in capsys.readouterr().err

@@ -54,6 +54,8 @@ class CertifiedCache(Cache):
     coefficients of its key error along the top m directions of each KV head's first-read queries, as int8 codes
     and one fp16 scale, plus 1 + NB log codes: m + 3 + NB bytes a token and KV head) and certifies decode reads with the signed
     intervals it gives, intersected with the band witness (torch path; multi-row reads use the band witness);
+    basis: with subspace=m, a static basis [L, Hkv, m, D] fp32 for every request (fast.calibrate_basis) in
+    place of each request's own from its first read;
     backend: "auto" (default) reads through the fused C++ kernel (fast.integrations.hf_fused) wherever
     it applies (FusedLayer.fused_ok: the read falls back to the torch twin elsewhere, certified the
     same way), "torch" always through the twin (the readable reference of the same computation).
@@ -61,7 +63,7 @@ class CertifiedCache(Cache):
 
     def __init__(self, config, scheme="int8", *, gate="none", sinks=4, window=32, shadow=False,
                  seed=None, delta_req=1e-3, offload="full", derived=False, nbands=NB, certify=True, value_bound=False,
-                 rungs=None, ladder_values=True, box_form=False, backend="auto", subspace=0):
+                 rungs=None, ladder_values=True, box_form=False, backend="auto", subspace=0, basis=None):
         self.config = config   # the model's config: its attention implementation must be the meter (check_meter)
         self.scheme = get_scheme(scheme)
         self.gate = parse_gate(gate)
@@ -95,6 +97,7 @@ class CertifiedCache(Cache):
         if isinstance(subspace, bool) or not isinstance(subspace, int) or not 0 <= subspace <= 64:
             raise ValueError(f"subspace: the number m of basis directions, an integer in [0, 64] (0: off), got {subspace!r}")
         self.subspace = subspace
+        self.basis = None if basis is None else self._check_basis(basis, config)
         if backend not in ("auto", "torch"):
             raise ValueError(f"backend must be 'auto' (the fused C++ read where it applies) or 'torch', got {backend!r}")
         self.backend = backend
@@ -121,6 +124,19 @@ class CertifiedCache(Cache):
         self._pending = []     # fused reads of this step awaiting the batched certificate epilogue (hf_fused)
         self.fused_reads = 0
         super().__init__(layers=layers)
+
+    def _check_basis(self, basis, config):
+        """A static basis [L, Hkv, m, D] fp32, finite, m = subspace (fast.calibrate_basis makes one)."""
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        want = (config.num_hidden_layers, config.num_key_value_heads, self.subspace, head_dim)
+        if not self.subspace:
+            raise ValueError("basis= needs subspace=m > 0")
+        if not isinstance(basis, torch.Tensor) or basis.dtype != torch.float32 or tuple(basis.shape) != want:
+            raise ValueError(f"basis: an fp32 tensor of shape [L, Hkv, m, D] = {list(want)}, got "
+                             f"{tuple(basis.shape) if isinstance(basis, torch.Tensor) else type(basis).__name__}")
+        if not bool(torch.isfinite(basis).all()):
+            raise ValueError("basis: contains NaN or Inf")
+        return basis.contiguous()
 
     def workspace(self, B, Hkv, N, D, dtype, device):
         """Two [B, Hkv, N, D] views of a decode buffer shared by all layers (capacity doubles)."""

@@ -112,6 +112,8 @@ class CertifiedLayer(CacheLayerMixin):
         self.rung = torch.zeros(Hkv, dtype=torch.long)
         if self.cache.keep_exact:
             self.exact_k, self.exact_v = empty.clone(), value_states[:, :, :0].clone()
+        if self.cache.subspace and self.cache.basis is not None:  # a static basis: the same for every request
+            self.sub_U = self.cache.basis[self.layer_idx].to(self.device).expand(B, -1, -1, -1).contiguous()
         self.keys = self.k_tail  # for code that inspects .keys
         self.is_initialized = True
 

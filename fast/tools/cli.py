@@ -59,7 +59,8 @@ def new_cache(model, args, config=None):
     seed = {} if getattr(args, "seed", None) is None else {"seed": args.seed}
     return CertifiedCache(config or model.config, args.scheme, gate=args.gate, sinks=args.sinks, window=args.window,
                           shadow=args.shadow, delta_req=args.delta_req, offload=args.offload,
-                          derived=args.witness == "derived", box_form=getattr(args, "box", False), **seed)
+                          derived=args.witness == "derived", box_form=getattr(args, "box", False),
+                          subspace=getattr(args, "subspace", 0), **seed)
 
 
 def prefill_exact(model, ids, progress=True, desc=""):
@@ -504,6 +505,9 @@ def parser():
     r = sub.add_parser("run", help="generate and certify")
     r.add_argument("--scheme", default=None, help="the cache's codec (default int8); not with --evict-gate")
     r.add_argument("--gate", default="none", help="none | certified:TAU | ladder:TAU | risk:K")
+    r.add_argument("--subspace", type=integer, default=0, metavar="M",
+                   help="the query-subspace witness with M directions per KV head, fixed from the prompt's queries "
+                        "(spec T4e; M + 11 bytes a token and KV head; 0: off)")
     r.add_argument("--prompt-file", required=True)
     r.add_argument("--out", default=DEFAULT_OUT)
     r.add_argument("--model", default=None, metavar="DIR",
