@@ -135,6 +135,11 @@ def run_input(model, tok, ex, args):
                     r["checks"] = int(pre.numel())
                     r["covered"] = int((pre <= COVER).sum())  # reads certified <= COVER
                     r["looseness_hist"] = log_hist(pre, true)
+                    if "dither_estimate" in recs[0]:  # the dither tier: an estimate in decoding (spec A2)
+                        est = torch.stack([x["dither_estimate"] for x in recs]).double()
+                        r["dither_covered"] = int((est <= COVER).sum())
+                        r["dither_hist"] = log_hist(est, true)
+                        r["dither_below_true"] = int((est < true * (1 - 1e-6)).sum())
             rec["runs"][f"{scheme}|{gate}"] = r
     model.set_attn_implementation("sdpa")
     return rec
@@ -208,6 +213,12 @@ def summarize(records, settings):
                 cells[key].update(coverage=round(sum(x["covered"] for x in runs) / max(checks, 1), 4),
                                   looseness_median=hist_quantile([x["looseness_hist"] for x in runs], 0.5),
                                   looseness_p90=hist_quantile([x["looseness_hist"] for x in runs], 0.9))
+            if all("dither_covered" in x for x in runs):
+                checks = cells[key]["checks"]
+                cells[key].update(dither_coverage=round(sum(x["dither_covered"] for x in runs) / max(checks, 1), 4),
+                                  dither_median=hist_quantile([x["dither_hist"] for x in runs], 0.5),
+                                  dither_p90=hist_quantile([x["dither_hist"] for x in runs], 0.9),
+                                  dither_below_true=sum(x["dither_below_true"] for x in runs))
             if gate.split("/")[0] == "none":  # shadow runs (none, none/box, none/subM...)
                 cb = auroc([runs[i].get("cert_mean") for i in harmed], [runs[i].get("cert_mean") for i in unharmed])
                 tb = auroc([runs[i].get("true_tv_mean") for i in harmed], [runs[i].get("true_tv_mean") for i in unharmed])
@@ -268,7 +279,8 @@ def tables(data):
          "header": ["scheme", "gate", "accuracy", "harm rate", "p vs full (Holm)", "p gated vs raw", "bytes/token",
                     "repairs/request", "bytes/token at fp16 (x fp16)", "slots per rung (scheme .. exact)",
                     "mean certificate", "AUROC cert vs harm", "AUROC true TV vs harm", "violations/checks",
-                    f"reads certified <= {COVER}", "bound / true TV: median [p90]"],
+                    f"reads certified <= {COVER}", "bound / true TV: median [p90]",
+                    f"dither estimate (A2): reads <= {COVER}, median [p90] / true TV, reads below true TV"],
          "rows": []}
     for c in cells.values():
         t["rows"].append([c["scheme"], c["gate"], rate(c["correct"], c["n"]), rate(c["harmed"], c["n_answerable"]),
@@ -281,7 +293,9 @@ def tables(data):
                           ci(c.get("auroc_cert_harm")), ci(c.get("auroc_true_harm")),
                           f"{c['violations']}/{c['checks']}" if c["gate"].split("/")[0] == "none" else "-",
                           "-" if c.get("coverage") is None else f"{100 * c['coverage']:.1f}%",
-                          "-" if c.get("looseness_median") is None else f"{c['looseness_median']:.2f} [{c['looseness_p90']:.2f}]"])
+                          "-" if c.get("looseness_median") is None else f"{c['looseness_median']:.2f} [{c['looseness_p90']:.2f}]",
+                          "-" if c.get("dither_coverage") is None else
+                          f"{100 * c['dither_coverage']:.1f}%, {c['dither_median']:.2f} [{c['dither_p90']:.2f}], {c['dither_below_true']}"])
     return [t]
 
 

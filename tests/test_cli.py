@@ -418,3 +418,26 @@ def test_usage_errors_are_one_line(capsys):
     assert "required" in one_line_error(capsys, [])
     assert "invalid choice" in one_line_error(capsys, ["frobnicate"])
     assert "required" in one_line_error(capsys, ["run"])
+
+
+def test_gated_heatmap_shows_tau_and_repairs(tmp_path):
+    """A gated trace's heatmap has two panels (before the gate, served) on a scale split at tau, so the served
+    reads (all <= tau) are visible, not black, and the bound over tau before the gate shows red; a KV head
+    repaired in a step is marked."""
+    import numpy as np
+    from matplotlib.image import imread
+    from fast.tools import trace as T
+    g = np.random.default_rng(0)
+    pre = g.uniform(0, 1, (6, 4, 1, 3))
+    served = np.minimum(pre, g.uniform(0.02, 0.2, pre.shape))
+    rep = np.zeros((6, 4, 3), dtype=bool)
+    rep[2:, 1, 0] = True
+    tr = T.Trace(arrays={"min": served, "pre_min": pre, "repaired": rep}, meta={"scheme": "int4", "gate": "certified:0.2"})
+    T.plots(tr, tmp_path)
+    img = imread(tmp_path / "bound_heatmap.png")[..., :3]
+    h, w, _ = img.shape
+    left, right = img[h // 4: 3 * h // 4, w // 8: w // 2 - w // 16], img[h // 4: 3 * h // 4, w // 2: 3 * w // 4]  # the panels
+    reddish = lambda a: ((a[..., 0] > 0.4) & (a[..., 1] < 0.35) & (a[..., 2] < 0.35)).mean()  # reds: over tau
+    greenish = lambda a: ((a[..., 1] > 0.35) & (a[..., 0] < 0.6) & (a[..., 1] > a[..., 0])).mean()  # viridis: under
+    assert reddish(left) > 0.2 and greenish(right) > 0.2 and reddish(right) < 0.01
+    assert T.gate_tau("ladder:0.3") == 0.3 and T.gate_tau("none") is None and T.gate_tau("risk:9") is None

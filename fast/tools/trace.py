@@ -379,15 +379,7 @@ def plots(tr, out):
     b = tr.arrays["min"]  # [T, L, B, H]
     out = Path(out)
     title = f"{tr.meta.get('scheme')} / gate {tr.meta.get('gate')}"
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    im = ax.imshow(b.max(axis=(2, 3)).T, aspect="auto", origin="lower", cmap="magma", vmin=0, vmax=1,
-                   interpolation="nearest")
-    ax.set_xlabel("decode step")
-    ax.set_ylabel("layer")
-    ax.set_title(f"TV bound, worst head per (layer, step): {title}")
-    fig.colorbar(im, ax=ax, label="certified TV bound")
-    fig.tight_layout()
-    _savefig(fig, out / "bound_heatmap.png")
+    _bound_heatmap(tr, b, title, out / "bound_heatmap.png", plt)
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.5), sharey=True)
     for ax, data, name in ((axes[0], b.mean(axis=(0, 2)), "mean over steps"), (axes[1], b.max(axis=(0, 2)), "worst over steps")):
@@ -402,6 +394,51 @@ def plots(tr, out):
     if "evict_bound" in tr.arrays and tr.arrays["evict_bound"].size:
         files.append(_eviction_plot(tr, out, plt))
     return files
+
+
+def gate_tau(gate):
+    """TAU of a threshold gate's name (certified:TAU, ladder:TAU), else None."""
+    kind, _, arg = str(gate).partition(":")
+    try:
+        return float(arg) if kind in ("certified", "ladder") else None
+    except ValueError:
+        return None
+
+
+def _bound_heatmap(tr, b, title, path, plt):
+    """bound_heatmap.png: the worst head's bound per (layer, step). With a threshold gate, two panels, the
+    bound before the gate and the bound served, on a scale that splits at TAU (below it blue, above it red:
+    served reads all sit below it), and an x where the gate moved a KV head up in that step."""
+    from matplotlib.colors import ListedColormap, TwoSlopeNorm
+    tau = gate_tau(tr.meta.get("gate"))
+    panels = [("min", "served", b)]
+    if tau is not None and 0 < tau < 1 and "pre_min" in tr.arrays:
+        panels.insert(0, ("pre_min", "before the gate", tr.arrays["pre_min"]))
+    norm = TwoSlopeNorm(vmin=0.0, vcenter=tau, vmax=1.0) if tau is not None and 0 < tau < 1 else None
+    kw = dict(aspect="auto", origin="lower", interpolation="nearest")
+    # below tau: viridis (dark to light green), above it: reds; a visible step at tau itself
+    split = ListedColormap(np.vstack([plt.get_cmap("viridis")(np.linspace(0.0, 0.85, 128)),
+                                      plt.get_cmap("Reds")(np.linspace(0.45, 1.0, 128))]))
+    kw.update(dict(cmap=split, norm=norm) if norm else dict(cmap="magma", vmin=0, vmax=1))
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5), sharey=True, squeeze=False)
+    moved = None
+    if norm and "repaired" in tr.arrays and tr.arrays["repaired"].size:  # [T, L, Hkv]: served off the scheme
+        r = tr.arrays["repaired"].astype(bool).any(axis=-1)                # [T, L]
+        moved = np.argwhere(r & ~np.concatenate([np.zeros_like(r[:1]), r[:-1]]))
+    for ax, (_, name, data) in zip(axes[0], panels):
+        im = ax.imshow(data.max(axis=(2, 3)).T, **kw)
+        if moved is not None and len(moved):
+            ax.scatter(moved[:, 0], moved[:, 1], marker="x", s=18, c="black", linewidths=0.8, label="head repaired")
+            ax.legend(loc="upper right", fontsize=7)
+        ax.set_xlabel("decode step")
+        ax.set_title(f"{name}: worst head per (layer, step)")
+    axes[0][0].set_ylabel("layer")
+    label = "certified TV bound" + (f" (scale splits at tau = {tau:g})" if norm else "")
+    cb = fig.colorbar(im, ax=list(axes[0]), label=label)
+    if norm:
+        cb.ax.axhline(tau, color="black", linewidth=1)
+    fig.suptitle(f"TV bound: {title}")
+    _savefig(fig, path)
 
 
 def _eviction_plot(tr, out, plt):
