@@ -17,7 +17,8 @@ box_*_up is the sound upper bound of fast.core.box (proofs/Box.v), box_*_lo a lo
 (best prefix set of the greedy orderings; NOT a bound). "box_wit_up" is the box bound at the stored
 witness: what the reported min would become with the box form (before fp margins).
 
-A candidate witness, measured only (not in the library): the query subspace. Per (layer, KV head) U
+A candidate witness, measured here in an idealised fp64 form (the library's, with its rounding and int8
+coefficients, is fast.core.subspace / CertifiedCache(subspace=m)): the query subspace. Per (layer, KV head) U
 [m, D] holds the top m right singular vectors of the request's own last QWIN prefill queries of the
 KV head's query heads (fixed before any decode query). Each token stores a = U r (m coefficients)
 and the band norms of r' = r - U^T a; a query splits as q = U^T (U q) + q', so
@@ -310,10 +311,11 @@ def readme_tables(res, doc):
     sv = (("band CS, box (8 B)", "box_cs_up"), ("subspace m=2, forms (12 B)", "sub2_forms"),
           ("subspace m=2, box (12 B)", "sub2_box_up"), ("subspace m=8, forms (24 B)", "sub8_forms"),
           ("subspace m=8, box (24 B)", "sub8_box_up"), ("exact abs(eps), box (floor)", "box_abs_up"))
-    t4 = {"title": f"A query-subspace witness (measured, not in the library): per token m coefficients of the key "
-                   f"error along the top-m directions of the request's last {QWIN} prefill queries, plus band norms of "
-                   "the rest; coverage at 0.2 / median bound over true TV, same reads; bytes per token and KV head "
-                   "(fp16 coefficients + 8 band codes); interval violations: " + ", ".join(
+    t4 = {"title": f"A query-subspace witness, the study's idealised version (exact coefficients, no rounding; the library's "
+                   "is CertifiedCache(subspace=m), measured on the harness in results/quant_eval_subspace*.json): per token "
+                   f"m coefficients of the key error along the top-m directions of the request's last {QWIN} prefill "
+                   "queries, plus band norms of the rest; coverage at 0.2 / median bound over true TV, same reads; bytes "
+                   "per token and KV head (fp16 coefficients + 8 band codes); interval violations: " + ", ".join(
                        f"{s} {r['subspace_interval_violations']}" for s, r in res.items()),
           "header": ["scheme"] + [n for n, _ in sv], "rows": []}
     for s, r in res.items():
