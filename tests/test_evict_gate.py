@@ -164,9 +164,7 @@ def test_bad_input_is_refused(setup):
     ev = evict(mine, make_evictor("snapkv:48"), witness=False, gate=gate)
     with pytest.raises(ValueError, match="already holds"):
         evict(copy_prefill(pre, model.config), make_evictor("snapkv:48"), witness=False, gate=gate)
-    with pytest.raises(ValueError, match="single-token"):
-        decode(model, mine, ev, max_new_tokens=4, question=torch.tensor([[5, 6], [7, 8]]))
-    with pytest.raises(ValueError, match="single-token"):
+    with pytest.raises(ValueError, match="not gated"):
         decode(model, mine, ev, max_new_tokens=4, evictor=make_evictor("streaming:48"), decode_every=2)
     from fast.policies.page import Page
     with pytest.raises(ValueError, match="without PAGE"):
@@ -203,3 +201,68 @@ def test_nothing_evicted_and_no_decode_step(setup):
     gate = EvictionGate(0.1)
     decode(model, mine, evict(mine, make_evictor("snapkv:48"), witness=False, gate=gate), max_new_tokens=1)
     assert gate.summary() == {"tau": 0.1, "scope": "tokens", "reads": 0}
+
+
+def question_truth(gate, ev, exact, mine, valid, Lq):
+    """[Lq, L, B, H] the exact attention mass each question row's served read missed (fp64): row t reads
+    the context (evicted tokens and all) and the question's tokens up to t; the question's keys are
+    exact in the DynamicCache (written after the eviction, at slots K .. K + Lq - 1)."""
+    rows = [s for s in gate.steps if "row" in s]
+    out = []
+    for s in rows:
+        t = s["row"]
+        per_layer = []
+        for l, k0 in enumerate(exact):
+            B, Hkv, N, D = k0.shape
+            H = s["query"].shape[2]
+            rep = H // Hkv
+            qk = mine.cache.layers[l].keys.double()[:, :, ev.keep[l].shape[2]:][:, :, :t + 1]   # question keys <= t
+            k = torch.cat([k0, qk], 2).repeat_interleave(rep, 1)
+            ok = torch.cat([valid, torch.ones(B, t + 1, dtype=torch.bool)], 1)
+            gone = valid[:, None, :].expand(B, Hkv, N).clone()
+            gone.scatter_(2, ev.keep[l], False)
+            gone &= ~s["restored"][l]
+            gone = torch.cat([gone, torch.zeros(B, Hkv, t + 1, dtype=torch.bool)], 2).repeat_interleave(rep, 1)
+            x = torch.einsum("bhd,bhnd->bhn", s["query"][l].double(), k) / D ** 0.5
+            p = torch.softmax(x.masked_fill(~ok[:, None, :], -float("inf")), -1)
+            per_layer.append((p * gone).sum(-1))
+        out.append(torch.stack(per_layer))
+    return torch.stack(out), rows
+
+
+@pytest.mark.parametrize("tau,retain", [(0.05, True), (0.3, False), (1.0, True)])
+def test_a_question_prefilled_over_the_evicted_cache_is_certified_row_by_row(setup, tau, retain):
+    """kvpress's protocol through the gate: the context evicted, the question prefilled after it; each of the
+    question's rows is a certified read (its true missed mass from the exact keys <= served bound <= tau), the
+    decode steps after it as before; tau = 1 serves the plain evicted question (the same first logits)."""
+    model, pre, _ = setup
+    mine = copy_prefill(pre, model.config)
+    exact = [layer.keys.double().clone() for layer in mine.cache.layers]
+    gate = EvictionGate(tau, keep_queries=True, retain=retain)
+    ev = evict(mine, make_evictor("snapkv:48"), witness=False, gate=gate)
+    Lq = 6
+    question = torch.randint(3, 128, (2, Lq), generator=torch.Generator().manual_seed(5))
+    out = decode(model, mine, ev, max_new_tokens=4, certify=False, keep_logits=True, question=question)
+    truth, rows = question_truth(gate, ev, exact, mine, pre.valid, Lq)
+    served = torch.stack([s["served"] for s in rows])
+    assert [s["row"] for s in rows] == list(range(Lq)) and served.shape == (Lq, 3, 2, 4)
+    assert bool((served <= tau).all()) and bool((truth <= served * (1 + 1e-9) + 1e-12).all()), float((truth - served).max())
+    assert len(gate.steps) == Lq + 3                                      # the rows, then 3 decode steps
+    if tau == 1.0:
+        plain = copy_prefill(pre, model.config)
+        ref = decode(model, plain, evict(plain, make_evictor("snapkv:48"), witness=False), max_new_tokens=4,
+                     certify=False, keep_logits=True, question=question)
+        assert torch.allclose(out["logits"], ref["logits"], atol=1e-4)
+        assert float(truth.max()) > 0.05                                 # the question does miss mass: teeth below
+    else:
+        assert float(torch.stack([s["bound"] for s in rows]).max()) > tau   # the gate acted on some row
+
+
+def test_a_question_read_outside_begin_rows_is_refused(setup):
+    model, pre, _ = setup
+    mine = copy_prefill(pre, model.config)
+    gate = EvictionGate(0.3)
+    evict(mine, make_evictor("snapkv:48"), witness=False, gate=gate)
+    gate.begin_step(torch.ones(2, 48, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="query rows"):
+        gate.read(0, torch.randn(2, 4, 3, 32), torch.randn(2, 2, 48, 32), torch.randn(2, 2, 48, 32), 0.17)

@@ -33,9 +33,10 @@ rounding at the edge leaves it above tau, the whole KV head comes back (TV 0). S
 served has certified TV <= tau.
 
 The read itself is computed here in fp32 (softmax over the kept slots and the restored tokens),
-not by the model's attention. Reads with more than one query (a question prefilled over the
-evicted cache) are not certified by this gate, so decode refuses them. Quantized kept keys
-(CertifiedCache) are refused as well, because L here comes from exact keys.
+not by the model's attention. A multi-token read over the evicted cache (a question prefilled after
+the context, kvpress's protocol: decode(question=)) is certified row by row, each row a read of the
+kept slots and the question's tokens up to it (causal), the evicted tokens preceding every row; one
+record per row. Quantized kept keys (CertifiedCache) are refused, because L here comes from exact keys.
 
 Bytes are counted at fp16 for K+V, 4*D bytes per token and KV head, so rows compare with
 evict_eval. Resident: the kept slots and decode tokens, the restored tokens (retain=True) or the
@@ -114,35 +115,59 @@ class EvictionGate:
         """decode calls this before each single-token forward with the 2D mask of the kept layout."""
         self.valid_now = valid_now
         self._step = {}
+        self._rows = None
+
+    def begin_rows(self, valid_now, rows_visible):
+        """decode calls this before a multi-token forward over the evicted cache (a question prefilled after
+        the context, kvpress's protocol): valid_now [B, Nk] the kept layout followed by the T new tokens,
+        rows_visible [T, B, Nk] what row t may read (the kept slots, and the new tokens up to t: causal)."""
+        self.begin_step(valid_now)
+        self._rows = rows_visible
 
     def read(self, layer, query, key, value, scale):
-        """The gated read of `layer`: query [B, H, 1, D], key/value [B, Hkv, Nk, D] the resident
-        cache (kept slots and decode tokens). Returns the attention output [B, 1, H, D]."""
+        """The gated read of `layer`: query [B, H, T, D], key/value [B, Hkv, Nk, D] the resident
+        cache (kept slots, decode or question tokens). Returns the attention output [B, T, H, D].
+        T = 1: a decode step (begin_step); T > 1: the rows of begin_rows, each certified as a read of its
+        own (its visible resident tokens; the evicted tokens precede every row), in order, so a token one
+        row brings back is read by the later rows of the same call too."""
         if self._step is None:
             raise RuntimeError("EvictionGate.read outside a decode step (decode drives the gate)")
+        T = query.shape[2]
+        if (T > 1) != (self._rows is not None) or (self._rows is not None and self._rows.shape[0] != T):
+            raise RuntimeError(f"EvictionGate.read: {T} query rows, but the step was begun for "
+                               f"{1 if self._rows is None else self._rows.shape[0]} (decode drives the gate)")
         st = self.layers[layer]
-        q = query[:, :, 0]
         if not self.retain:                                  # nothing fetched by an earlier read stays
             st["restored"] = torch.zeros_like(st["valid"])
+        outs, recs = [], []
+        for t in range(T):
+            vis = self.valid_now if self._rows is None else self._rows[t]
+            out, rec = self._one(st, query[:, :, t], key, value, scale, vis)
+            outs.append(out)
+            recs.append(rec)
+        self._step[layer] = recs
+        return torch.cat(outs, 1)
+
+    def _one(self, st, q, key, value, scale, vis):
+        """One row's gated read: q [B, H, D], vis [B, Nk] the resident tokens it reads. (out [B, 1, H, D], record)."""
         with torch.no_grad():
             # the sketch's upper logits a_j >= s<q, k_j> (T7l), once per read: they depend on q only
             a = page_upper(q, st["sketch"].boxes(), scale) if st["sketch"] is not None else None
-            bound = self._bound(q, key, st, scale, a)
+            bound = self._bound(q, key, st, scale, a, vis)
             served = bound
             if bool(bound.gt(self.tau).any()):
-                self._restore(layer, bound, a, self._log_z(q, key, st, scale))
-                served = self._bound(q, key, st, scale, a)
+                self._restore(st, bound, a, self._log_z(q, key, st, scale, vis))
+                served = self._bound(q, key, st, scale, a, vis)
                 still = self._by_kv(served > self.tau)      # rounding at the edge: the whole KV head comes back
                 if bool(still.any()):
                     st["restored"] |= still[..., None] & st["valid"]
-                    served = self._bound(q, key, st, scale, a)
-            out = _read(q, key, value, self.valid_now, st, scale)
+                    served = self._bound(q, key, st, scale, a, vis)
+            out = _read(q, key, value, vis, st, scale)
         pos = torch.zeros(st["index"].shape[:2] + (st["n_prefill"],), dtype=torch.bool)
         pos.scatter_(2, st["index"], st["restored"] & st["valid"])
-        self._step[layer] = {"bound": bound, "served": served, "restored": pos,
-                             "fetched": (st["restored"] & st["valid"]).sum((1, 2)).double(),
-                             **({"query": q.detach().float().clone()} if self.keep_queries else {})}
-        return out
+        return out, {"bound": bound, "served": served, "restored": pos,
+                     "fetched": (st["restored"] & st["valid"]).sum((1, 2)).double(),
+                     **({"query": q.detach().float().clone()} if self.keep_queries else {})}
 
     def _by_kv(self, per_query_head):
         """[B, H] -> [B, Hkv]: any query head of the KV head."""
@@ -150,16 +175,16 @@ class EvictionGate:
         Hkv = self.layers[0]["valid"].shape[1]
         return per_query_head.view(B, Hkv, H // Hkv).any(-1)
 
-    def _log_z(self, q, key, st, scale):
-        """log_z_kept_lower over the kept slots and the restored tokens (exact keys) [B, H]."""
+    def _log_z(self, q, key, st, scale, vis):
+        """log_z_kept_lower over the visible resident slots vis [B, Nk] and the restored tokens (exact keys) [B, H]."""
         back = st["valid"] & st["restored"]
         if not bool(back.any()):                             # nothing read back: the kept slots alone
-            return log_z_kept_lower(q, key, scale, valid=self.valid_now)
+            return log_z_kept_lower(q, key, scale, valid=vis)
         B, Hkv, Nk = key.shape[0], key.shape[1], key.shape[2]
-        ok = torch.cat([self.valid_now[:, None, :].expand(B, Hkv, Nk), back], 2)
+        ok = torch.cat([vis[:, None, :].expand(B, Hkv, Nk), back], 2)
         return log_z_kept_lower(q, torch.cat([key, st["keys"].to(key.dtype)], 2), scale, valid=ok)
 
-    def _bound(self, q, key, st, scale, a):
+    def _bound(self, q, key, st, scale, a, vis):
         """Certified TV [B, H] of the read over the kept slots and the restored tokens: L over their
         exact keys, X = sum of e^{a_j} over the sketch's tokens still out (T7l, T7j, T7k); a [B, H, E]
         the sketch's upper logits (None: nothing evicted in this layer, TV = 0 by T7a)."""
@@ -167,15 +192,14 @@ class EvictionGate:
             return torch.zeros(q.shape[:2], dtype=torch.float64)
         rep = q.shape[1] // st["valid"].shape[1]
         out = (st["valid"] & ~st["restored"]).double().repeat_interleave(rep, 1)
-        d = log_odds_of(log_sum_upper(out, a), self._log_z(q, key, st, scale))
+        d = log_odds_of(log_sum_upper(out, a), self._log_z(q, key, st, scale, vis))
         bound = tv_from_log_odds(d).double()
         if not bool(torch.isfinite(bound).all()):
             raise ValueError("the eviction certificate is not finite (NaN/Inf in the query or keys)")
         return bound
 
-    def _restore(self, layer, bound, a, lz):
-        """Bring tokens back from the offload tier where the bound exceeds tau."""
-        st = self.layers[layer]
+    def _restore(self, st, bound, a, lz):
+        """Bring tokens back from the offload tier where the bound exceeds tau (st: the layer's state)."""
         breach = bound > self.tau                            # [B, H]
         kv = self._by_kv(breach)
         if self.scope == "tokens":
@@ -209,19 +233,30 @@ class EvictionGate:
         return pick.view(B, Hkv, rep, E).any(2)
 
     def end_step(self):
-        """decode calls this after each forward; refuses a step in which a layer was not read through the gate."""
+        """decode calls this after each forward; refuses a step in which a layer was not read through the gate.
+        One record per row read (a decode step: one; begin_rows: its T rows, in order, each marked "row")."""
         missing = [l for l in range(len(self.layers)) if l not in self._step]
         if missing:
             raise RuntimeError(f"layers {missing} were read without the eviction gate (an attention path that "
                                "bypasses it): refusing to serve uncertified reads")
-        step = {k: torch.stack([self._step[l][k] for l in range(len(self.layers))]) for k in self._step[0]}
-        step["resident_bytes"], step["full_bytes"] = self.nbytes()
-        per_token = 4 * self.head_dim
-        step["fetch_bytes"] = step["fetched"].sum(0) * per_token if not self.retain else torch.zeros_like(step["full_bytes"])
-        if not self.retain:                              # the peak: one layer's fetched tokens at a time
-            step["resident_bytes"] = step["resident_bytes"] + step["fetched"].amax(0) * per_token
-        self.steps.append(step)
+        L, per_token = len(self.layers), 4 * self.head_dim
+        resident, full = self.nbytes()
+        fetched_before = None
+        for t in range(len(self._step[0])):
+            step = {k: torch.stack([self._step[l][t][k] for l in range(L)]) for k in self._step[0][t]}
+            step["resident_bytes"], step["full_bytes"] = resident, full
+            if self.retain:
+                step["fetch_bytes"] = torch.zeros_like(full)
+            else:  # traffic: what this row fetched beyond the rows before it in the same call; peak: one layer's buffer
+                new = step["fetched"] - (0 if fetched_before is None else fetched_before)
+                step["fetch_bytes"] = new.sum(0) * per_token
+                step["resident_bytes"] = resident + step["fetched"].amax(0) * per_token
+                fetched_before = step["fetched"]
+            if self._rows is not None:
+                step["row"] = t
+            self.steps.append(step)
         self._step = None
+        self._rows = None
 
     # ------------------------------------------------------------ accounting
 

@@ -187,7 +187,7 @@ def _wrapped(inner_name):
         if _active():
             col, scale = _active()[-1], kwargs.get("scaling") or module.scaling
             col.observe(module, query, key, attention_mask, scale)
-            if col.read is not None and query.shape[2] == 1:
+            if col.read is not None and (query.shape[2] == 1 or getattr(col, "read_rows", False)):
                 if kwargs.get("sliding_window") or kwargs.get("softcap"):
                     raise ValueError("the eviction gate reads plain softmax attention (no sliding window, no softcap)")
                 return col.read(module.layer_idx, query, key, value, scale), None
@@ -810,15 +810,16 @@ def decode(model, pre, ev, *, max_new_tokens=16, certify=True, shadow=False, eos
     ("logits" [B, T, V]). An eviction made with evict(gate=) is read through its gate."""
     evicted = ev is not None and ev.evicted
     gate = ev.gate if evicted else None
-    if gate is not None and (question is not None or decode_every):
-        raise ValueError("the eviction gate certifies single-token decode reads: question= (a multi-token read "
-                         "of the evicted cache) and decode_every (eviction during decoding) are not gated")
+    if gate is not None and decode_every:
+        raise ValueError("the eviction gate certifies the reads of one eviction: decode_every (eviction during "
+                         "decoding) is not gated")
     valid_now = ev.kept_valid if evicted else pre.valid
     next_pos = pre.valid.sum(-1)                                   # [B] RoPE position of the next token
     tok = pre.logits.argmax(-1)
     cert = Certifier(ev, pre.valid, shadow, pre.cache) if (evicted and certify and gate is None) else None
     if question is not None:
-        valid_now, next_pos, first = _prefill_question(model, pre.cache, question, question_mask, valid_now, next_pos)
+        valid_now, next_pos, first = _prefill_question(model, pre.cache, question, question_mask, valid_now, next_pos,
+                                                       gate=gate)
         tok = first.argmax(-1)
         if cert is not None:
             cert.appended(question.shape[1], valid_now[:, -question.shape[1]:])
@@ -873,9 +874,11 @@ def decode(model, pre, ev, *, max_new_tokens=16, certify=True, shadow=False, eos
     return out
 
 
-def _prefill_question(model, cache, question, question_mask, valid_now, next_pos):
+def _prefill_question(model, cache, question, question_mask, valid_now, next_pos, gate=None):
     """The question after the (evicted) context: positions continue from the context's length,
-    the mask is the kept layout followed by the question's. Returns (valid, next_pos, first token)."""
+    the mask is the kept layout followed by the question's. Returns (valid, next_pos, first token).
+    gate: an EvictionGate whose eviction this is: every row of the question reads through it (begin_rows:
+    row t sees the kept slots and the question's tokens up to t), one certified record per row."""
     B, Lq = question.shape
     if question.dim() != 2 or B != valid_now.shape[0] or Lq < 1:
         raise ValueError(f"question must be [B={valid_now.shape[0]}, Lq >= 1], got {tuple(question.shape)}")
@@ -883,10 +886,22 @@ def _prefill_question(model, cache, question, question_mask, valid_now, next_pos
     if qv.shape != question.shape or not bool(qv[:, -1].all()):
         raise ValueError("question_mask must be [B, Lq] with LEFT padding (last column all ones)")
     pos = next_pos[:, None] + positions(qv).clamp_min(0)
+    K = valid_now.shape[1]
     valid_now = torch.cat([valid_now, qv], 1)
+    kw = dict(input_ids=question, attention_mask=valid_now.long(), position_ids=pos, past_key_values=cache,
+              use_cache=True, logits_to_keep=1)
     with torch.no_grad():
-        out = model(input_ids=question, attention_mask=valid_now.long(), position_ids=pos, past_key_values=cache,
-                    use_cache=True, logits_to_keep=1)
+        if gate is None:
+            out = model(**kw)
+        else:
+            causal = torch.arange(Lq)[None, :] <= torch.arange(Lq)[:, None]          # [T, Lq]: row t reads j <= t
+            rows = torch.cat([valid_now[None, :, :K].expand(Lq, B, K), qv[None] & causal[:, None, :]], 2)
+            gate.begin_rows(valid_now, rows)
+            col = Collector(cache=cache, read=gate.read)
+            col.read_rows = True
+            with collecting(model, col):
+                out = model(**kw)
+            gate.end_step()
     return valid_now, next_pos + qv.sum(-1), out.logits[:, -1].float()
 
 
