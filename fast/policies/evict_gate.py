@@ -4,7 +4,7 @@ certificate says TV <= tau; elsewhere bring evicted tokens back from an offload 
     gate = EvictionGate(0.2)                          # scope="tokens": the fewest tokens back
     gate = EvictionGate(0.2, sketch="int4c", retain=False)   # fetched per read, 4-bit per-channel sketch
     ev = evict(pre, make_evictor("streaming:48"), gate=gate)
-    out = decode(model, pre, ev, max_new_tokens=32)   # every single-token read goes through the gate
+    out = decode(model, pre, ev, max_new_tokens=32)   # every read of the evicted cache goes through the gate
     gate.summary()                                    # reads, restores, resident bytes
 
 At eviction time each layer's evicted tokens leave the cache. Their exact keys and values go to

@@ -131,7 +131,7 @@ class Collector:
     key, attention_mask, scale)` is called on every single-token step (certificates). cache: the
     forward's cache, where attention may be handed fewer keys than it holds (kvcert's fused read
     passes only its exact tail): the collector then looks at every key as the cache serves it.
-    read(layer, query, key, value, scale): when given, single-token reads are served by it instead
+    read(layer, query, key, value, scale): when given, single-token reads (and multi-row ones when read_rows is set) are served by it instead
     of the model's attention (the certified eviction gate, fast.policies.evict_gate)."""
 
     def __init__(self, needs=(), obs=OBS, chunk=256, on_decode=None, cache=None, read=None):
