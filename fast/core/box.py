@@ -16,14 +16,17 @@ sound; tightness: lambda_k = 1 / (the fractional-knapsack threshold ratio w_j / 
 of the interval), tried at both ends, and the interval holding the max is cut further.
 Lower estimate (not a bound): f(S) <= F* for the prefix sets of each greedy ordering.
 
-box_bounds runs in fp64 without outward rounding: the measurement core.
+box_bounds runs in fp64 without outward rounding: the measurement core. box_bound_enclosed (the
+certificate, every rounding outward) runs on CPU in the C++ twin csrc/cpu_fused.cpp kvcert_box_bound (the
+same algorithm and margins, tests/test_box_cpp.py); the torch code below is its readable twin.
 """
 
 import numpy as np
 import torch
 
-from fast.core import _checks
+from fast.core import _checks, native
 from fast.core.certify import EXP_EPS, SATURATE_C, U64, down64, gamma, up32, up64
+from fast.core.threads import read_threads
 
 GRID0 = 33   # initial levels: uniform in [0, 1]
 ROUNDS = 12  # refinement rounds: the interval holding the max is cut into SPLIT pieces
@@ -40,7 +43,9 @@ def _greedy(p, a, b, Btot, u, lower=True):
     ws, ps, rs = (torch.gather(t, -1, order) for t in (w, pp, ratio))
     cw = ws.cumsum(-1)
     need = (u * Btot[:, None])[..., None]
-    t = torch.searchsorted(cw.contiguous(), need.contiguous()).clamp(max=w.shape[-1] - 1)
+    # none reaches u B (rounding, at u = 1): the last token with ratio > 0 (those with ratio 0 have w = 0), not lambda = 0
+    last = ((rs > 0).sum(-1, keepdim=True) - 1).clamp(min=0)
+    t = torch.minimum(torch.searchsorted(cw.contiguous(), need.contiguous()), last)
     r_t = torch.gather(rs, -1, t)[..., 0]
     lam = torch.where(r_t > 0, 1.0 / r_t.clamp(min=1e-300), torch.zeros_like(r_t))
     if not lower:
@@ -141,7 +146,7 @@ def _certified_terms(q_lo, q_hi, lo, hi, grid):
     best = u1.clone()  # lambda = 0: box_e(u, 0) = u (Box.v box_e_lam0)
     for lam in (l0, l1):
         t = torch.maximum(_e_up(q_lo, q_hi, E_lo, E_hi, S2, u0, lam, n), _e_up(q_lo, q_hi, E_lo, E_hi, S2, u1, lam, n))
-        best = torch.minimum(best, t)
+        best = torch.fmin(best, t)  # a NaN t (inf - inf or 0 * inf after an overflow) skips that lambda: as +inf, sound
     return best
 
 
@@ -159,7 +164,49 @@ def _chain(grid):
     return u0, u1, l0, l1
 
 
-def box_bound_enclosed(q_lo, q_hi, lo, hi, rounds=ROUNDS):
+def _check_enclosed(q_lo, q_hi, lo, hi, rounds):
+    """ValueError unless the inputs are what kvcert_box_bound trusts them to be."""
+    ts = {"q_lo": q_lo, "q_hi": q_hi, "lo": lo, "hi": hi}
+    for name, t in ts.items():
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float64 or t.dim() != 2 or t.device.type != "cpu":
+            raise ValueError(f"box_bound_enclosed: {name} must be a 2-D fp64 CPU tensor")
+        if t.shape != q_lo.shape:
+            raise ValueError(f"box_bound_enclosed: {name} has shape {tuple(t.shape)}, q_lo {tuple(q_lo.shape)}")
+        if not t.is_contiguous():
+            raise ValueError(f"box_bound_enclosed: {name} is not contiguous")
+    if q_lo.shape[1] < 1:
+        raise ValueError("box_bound_enclosed: no tokens (n = 0)")
+    if not isinstance(rounds, int) or rounds < 0:
+        raise ValueError(f"box_bound_enclosed: rounds must be an int >= 0 (got {rounds!r})")
+    if not bool(torch.isfinite(q_lo).all() and torch.isfinite(q_hi).all()):
+        raise ValueError("box_bound_enclosed: q_lo, q_hi must be finite")
+    if bool(lo.isnan().any() or hi.isnan().any()):  # +-inf: a saturated row (bound 1)
+        raise ValueError("box_bound_enclosed: NaN in lo or hi")
+    if not bool(((q_lo >= 0) & (q_lo <= q_hi)).all()):
+        raise ValueError("box_bound_enclosed: need 0 <= q_lo <= q_hi")
+    if not bool((lo <= hi).all()):
+        raise ValueError("box_bound_enclosed: need lo <= hi")
+
+
+def _box_bound_cpp(q_lo, q_hi, lo, hi, rounds):
+    """box_bound_enclosed in C++ (csrc/cpu_fused.cpp kvcert_box_bound) on inputs _check_enclosed passed: the same
+    algorithm, the margins from here."""
+    R, n = q_lo.shape
+    M = (GRID0 - 1) + rounds * (SPLIT - 1)
+    levels = torch.linspace(0, 1, GRID0, dtype=torch.float64)
+    bound = torch.empty(R, dtype=torch.float64)
+    grid = tuple(torch.empty(R, M, dtype=torch.float64) for _ in range(4))
+    if R:
+        bad = native._lib().kvcert_box_bound(
+            q_lo.data_ptr(), q_hi.data_ptr(), lo.data_ptr(), hi.data_ptr(), R, n, levels.data_ptr(), GRID0, rounds, SPLIT,
+            SATURATE_C, 1 + 8 * RHO, 1 + 2 * gamma(n + 2), 1 - 2 * (EXP_EPS + gamma(n + 1)), read_threads(),
+            bound.data_ptr(), *(t.data_ptr() for t in grid))
+        if bad:
+            raise RuntimeError("box grid: the intervals do not chain from 0 to 1")
+    return bound, grid
+
+
+def box_bound_enclosed(q_lo, q_hi, lo, hi, rounds=ROUNDS, backend="auto"):
     """(bound [R] fp64, grid): bound >= TV(softmax x, softmax xt) whenever q_lo <= softmax(xt) <= q_hi
     and lo_j <= x_j - xt_j <= hi_j for every token j (proofs/Box.v tv_le_box_grid), and bound >=
     the exact value of reference.box:box_grid_bound on the returned grid (u0, u1, l0, l1) [R, M].
@@ -167,7 +214,22 @@ def box_bound_enclosed(q_lo, q_hi, lo, hi, rounds=ROUNDS):
     q_lo, q_hi, lo, hi: [R, n] fp64, 0 <= q_lo <= q_hi, lo <= hi (tokens outside the softmax: q = 0).
     The grid and lambdas are chosen on the midpoint distribution (any choice is sound); rows with
     max hi > SATURATE_C or min lo < -SATURATE_C report 1.
+    backend: "cpp" the C++ twin (CPU tensors, checked: ValueError; rows with no midpoint distribution,
+    sum (q_lo + q_hi) = 0, report 1 with a uniform grid, as do saturated rows), "torch" the code below,
+    "auto" the C++ twin where the extension is available and the inputs are CPU tensors it takes, else torch.
     """
+    if backend not in ("auto", "torch", "cpp"):
+        raise ValueError(f"box_bound_enclosed: backend must be auto, torch or cpp (got {backend!r})")
+    if backend == "auto":
+        ts = [t.contiguous() for t in (q_lo, q_hi, lo, hi)]
+        if all(t.device.type == "cpu" for t in ts) and native.available():
+            _check_enclosed(*ts, rounds)  # bad input (NaN, q_lo > q_hi, lo > hi) is refused, never bounded
+            return _box_bound_cpp(*ts, rounds)
+    elif backend == "cpp":
+        if not native.available():
+            raise RuntimeError("box_bound_enclosed: backend cpp, but the C++ extension is not available")
+        _check_enclosed(q_lo, q_hi, lo, hi, rounds)
+        return _box_bound_cpp(q_lo, q_hi, lo, hi, rounds)
     R, n = q_lo.shape
     big = (hi.amax(-1) > SATURATE_C) | (lo.amin(-1) < -SATURATE_C)  # the clamps below would narrow a box: report 1
     lo_c, hi_c = lo.clamp(min=-SATURATE_C), hi.clamp(max=SATURATE_C)
@@ -240,7 +302,7 @@ def box_form_of_read(cert, w, c, e, vmask, D, lo=None, hi=None):
     z_dn = down64(down64(down64(W * (1 - g)) * e_dn) - N * tiny)
     z_up = up64(up64(up64(W * (1 + g)) * e_up) + N * tiny)
     q_hi = up64(up64(up64(w64 * e_up) + tiny) / z_dn)
-    q_lo = down64(down64(down64(w64 * e_dn) - tiny).clamp(min=0) / z_up)
+    q_lo = down64(down64(down64(w64 * e_dn) - tiny).clamp(min=0) / z_up).clamp(min=0)  # p >= 0: 0 is a lower bound
     if vmask is not None:
         m = vmask.expand(B, H, N)
         q_hi, q_lo, hi, lo = q_hi.masked_fill(~m, 0.0), q_lo.masked_fill(~m, 0.0), hi.masked_fill(~m, 0.0), lo.masked_fill(~m, 0.0)

@@ -118,6 +118,9 @@ def _lib(scalar=False):
         lib.kvcert_dither_noise.argtypes = [ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint32, *[ctypes.c_int64] * 5,
                                             ctypes.c_int, ctypes.c_void_p]
         lib.kvcert_dither_noise.restype = None
+        lib.kvcert_box_bound.argtypes = [*[ctypes.c_void_p] * 4, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, *[ctypes.c_int64] * 3,
+                                         *[ctypes.c_double] * 4, ctypes.c_int, *[ctypes.c_void_p] * 5]
+        lib.kvcert_box_bound.restype = ctypes.c_int
         _LIB[scalar] = lib
     return _LIB[scalar]
 

@@ -1153,3 +1153,252 @@ void kvcert_dither_noise(uint64_t seed, uint32_t stream, uint32_t layer, int64_t
     }
 }
 }
+
+// ---- the box form (spec T9, proofs/Box.v): fast.core.box.box_bound_enclosed's C++ twin (kvcert_box_bound) ----
+// The same algorithm as the torch code, step for step: the grid search on the midpoint distribution (its sums in
+// another order: any grid and any multipliers are sound, the heuristic part may differ in the last bits), the
+// chained grid, and the certified terms with the margins of box.py _e_up (assumption A12), passed in from Python.
+// Rows that report 1 (saturated, or q = 0 everywhere) get the uniform grid with multipliers 0.
+namespace {
+
+// the threshold ratio of the greedy fractional knapsack at level u (box.py _greedy, lower=False): with
+// w_j = (1 - u) a_j + u b_j and r_j = w_j / p_j (0 where p_j <= 0), the ratio r_t of the first token t, in
+// descending order of r, whose cumulative w reaches u B (none, by rounding: the last token with r > 0). Tokens with
+// r = 0 (p = 0, so w = 0) are left out first: they add nothing to any sum. A weighted quickselect in place of the
+// sort: each pass sums w over r > pivot (median of three), r < pivot and r = pivot, and goes on with the part
+// holding the threshold. rw, sc: n pairs each (scratch). Returns 1 / r_t, or 0
+// when no token has r > 0.
+struct RW {
+    double r, w;
+};
+
+template <typename Keep>
+int64_t box_keep(const RW* c, RW* o, int64_t m, Keep keep) {
+    int64_t k = 0;  // the pairs with keep(r), in order, without branches on the data
+    for (int64_t i = 0; i < m; ++i) {
+        o[k] = c[i];
+        k += keep(c[i].r);
+    }
+    return k;
+}
+
+double box_lambda(const double* p, const double* a, const double* b, int64_t n, double Btot, double u, RW* rw, RW* sc) {
+    const double v = 1 - u;
+    int64_t m = 0;
+    for (int64_t j = 0; j < n; ++j) {
+        const double w = v * a[j] + u * b[j];
+        const double r = p[j] > 0 ? w / std::max(p[j], 1e-300) : 0.0;
+        rw[m] = {r, w};
+        m += r > 0;
+    }
+    RW *c = rw, *o = sc;
+    double need = u * Btot, rt = 0.0;
+    while (m > 0) {
+        const double x0 = c[0].r, x1 = c[m / 2].r, x2 = c[m - 1].r;
+        double pv = x1;  // median of three
+        if ((x1 <= x0 && x0 <= x2) || (x2 <= x0 && x0 <= x1)) pv = x0;
+        else if ((x0 <= x2 && x2 <= x1) || (x1 <= x2 && x2 <= x0)) pv = x2;
+        int64_t ng = 0, nl = 0;
+        double sg = 0.0, se = 0.0;
+#pragma omp simd reduction(+ : ng, nl, sg, se)
+        for (int64_t k = 0; k < m; ++k) {
+            const double x = c[k].r, y = c[k].w;
+            const bool gt = x > pv, lt = x < pv;
+            ng += gt;
+            nl += lt;
+            sg += gt ? y : 0.0;
+            se += (gt || lt) ? 0.0 : y;
+        }
+        if (ng > 0 && sg >= need) {  // the threshold is above the pivot: go on with r > pivot
+            m = box_keep(c, o, m, [pv](double x) { return x > pv; });
+        } else if (sg + se >= need || nl == 0) {  // it has the pivot's ratio (or no token reaches u B: the last one)
+            rt = pv;
+            break;
+        } else {
+            need -= sg + se;  // below the pivot: go on with r < pivot
+            m = box_keep(c, o, m, [pv](double x) { return x < pv; });
+        }
+        std::swap(c, o);
+    }
+    return rt > 0 ? 1.0 / std::max(rt, 1e-300) : 0.0;
+}
+
+// box.py _terms: min over lambda in {0, l0, l1} of max(e(u0, lambda), e(u1, lambda)) (NaN-propagating, as torch), with
+// e(u, lambda) = u - lambda u B + sum_j (lambda w_j(u) - p_j)^+ (box.py _e): the four sums in one pass
+double box_term(const double* p, const double* a, const double* b, int64_t n, double Btot, double u0, double u1, double l0,
+                double l1) {
+    const double v0 = 1 - u0, v1 = 1 - u1;
+    double s00 = 0.0, s10 = 0.0, s01 = 0.0, s11 = 0.0;  // s_il: level u_i, multiplier l_l
+#pragma omp simd reduction(+ : s00, s10, s01, s11)
+    for (int64_t j = 0; j < n; ++j) {
+        const double w0 = v0 * a[j] + u0 * b[j], w1 = v1 * a[j] + u1 * b[j];
+        const double t00 = l0 * w0 - p[j], t10 = l0 * w1 - p[j], t01 = l1 * w0 - p[j], t11 = l1 * w1 - p[j];
+        s00 += t00 < 0 ? 0.0 : t00;  // clamp(min=0): NaN stays
+        s10 += t10 < 0 ? 0.0 : t10;
+        s01 += t01 < 0 ? 0.0 : t01;
+        s11 += t11 < 0 ? 0.0 : t11;
+    }
+    const double e00 = (u0 - (l0 * u0) * Btot) + s00, e10 = (u1 - (l0 * u1) * Btot) + s10;
+    const double e01 = (u0 - (l1 * u0) * Btot) + s01, e11 = (u1 - (l1 * u1) * Btot) + s11;
+    return nmin(nmin(u1, nmax(e00, e10)), nmax(e01, e11));
+}
+
+inline double down(double x) { return std::nextafter(x, -INFINITY); }
+
+struct BoxConst {
+    double satc, rho_fac, t1_fac, s2_fac;  // SATURATE_C, 1 + 8 RHO, 1 + 2 gamma_{n+2}, 1 - 2 (EXP_EPS + gamma_{n+1})
+};
+
+// box.py _e_up: >= box_e of proofs/Box.v at (u, lam), every rounding outward, from s = fl(sum_j q_hi_j kp_j) (any
+// order: nonnegative terms) and s2d = down(fl(S2) (1 - 2 (EXP_EPS + gamma_{n+1})))
+inline double box_e_up(double s, double s2d, double u, double lam, const BoxConst& k) {
+    const double t1 = up(s * k.t1_fac);
+    double t2 = down(down(s2d * lam) * u);
+    t2 = t2 < 0 ? 0.0 : t2;
+    return up(up(u + t1) - t2);
+}
+
+// box.py _certified_terms on one interval: min over lambda in {0, l0, l1} of max(e_up(u0, lambda), e_up(u1, lambda));
+// a lambda whose value is NaN (inf - inf, 0 * inf after an overflow) is skipped (as +inf: sound). The four sums
+// sum_j q_hi_j kp_j, kp_j = max(0, fl(fl(g_j (1 + 8 RHO)) - 1)), g_j = fl(lam fl(fl((1 - u) E_hi_j) + fl(u E_lo_j))), in one pass
+double box_term_up(const double* qh, const double* Elo, const double* Ehi, int64_t n, double s2d, double u0, double u1, double l0,
+                   double l1, const BoxConst& k) {
+    const double v0 = 1 - u0, v1 = 1 - u1;
+    double s00 = 0.0, s10 = 0.0, s01 = 0.0, s11 = 0.0;  // s_il: level u_i, multiplier l_l
+#pragma omp simd reduction(+ : s00, s10, s01, s11)
+    for (int64_t j = 0; j < n; ++j) {
+        const double w0 = v0 * Ehi[j] + u0 * Elo[j], w1 = v1 * Ehi[j] + u1 * Elo[j];
+        const double k00 = (l0 * w0) * k.rho_fac - 1, k10 = (l0 * w1) * k.rho_fac - 1;
+        const double k01 = (l1 * w0) * k.rho_fac - 1, k11 = (l1 * w1) * k.rho_fac - 1;
+        s00 += qh[j] * (k00 < 0 ? 0.0 : k00);
+        s10 += qh[j] * (k10 < 0 ? 0.0 : k10);
+        s01 += qh[j] * (k01 < 0 ? 0.0 : k01);
+        s11 += qh[j] * (k11 < 0 ? 0.0 : k11);
+    }
+    double t = u1;  // lambda = 0: box_e(u, 0) = u (Box.v box_e_lam0)
+    const double e0 = nmax(box_e_up(s00, s2d, u0, l0, k), box_e_up(s10, s2d, u1, l0, k));
+    const double e1 = nmax(box_e_up(s01, s2d, u0, l1, k), box_e_up(s11, s2d, u1, l1, k));
+    if (e0 < t) t = e0;
+    if (e1 < t) t = e1;
+    return t;
+}
+
+// one row of kvcert_box_bound; returns 0, or 1 when the intervals do not chain from 0 to 1
+int box_row(const double* ql, const double* qh, const double* lo, const double* hi, int64_t n, const double* levels, int64_t grid0,
+            int64_t rounds, int64_t split, const BoxConst& k, double* bound, double* o0, double* o1, double* ol0, double* ol1) {
+    const int64_t M = (grid0 - 1) + rounds * (split - 1);
+    double hmax = -INFINITY, lmin = INFINITY, msum = 0.0;
+    for (int64_t j = 0; j < n; ++j) {
+        hmax = std::max(hmax, hi[j]);
+        lmin = std::min(lmin, lo[j]);
+        msum += 0.5 * (ql[j] + qh[j]);
+    }
+    if (hmax > k.satc || lmin < -k.satc || !(msum > 0 && msum < INFINITY)) {
+        // saturated (the clamps would narrow a box) or no midpoint distribution: bound 1 (TV <= 1), the uniform grid, lambdas 0
+        *bound = 1.0;
+        for (int64_t i = 0; i < M; ++i) {
+            o0[i] = (double)i / (double)M;
+            o1[i] = (double)(i + 1) / (double)M;
+            ol0[i] = ol1[i] = 0.0;
+        }
+        return 0;
+    }
+    std::vector<double> buf((size_t)(5 * n));
+    double *p = buf.data(), *a = p + n, *b = a + n, *Elo = b + n, *Ehi = Elo + n;
+    std::vector<RW> rwb((size_t)(2 * n));
+    RW *rw = rwb.data(), *sc = rw + n;
+    double Btot = 0.0, S2 = 0.0;
+    for (int64_t j = 0; j < n; ++j) {
+        Elo[j] = std::exp(std::max(lo[j], -k.satc));
+        Ehi[j] = std::exp(std::min(hi[j], k.satc));
+        p[j] = 0.5 * (ql[j] + qh[j]) / msum;
+        a[j] = p[j] * Ehi[j];
+        b[j] = p[j] * Elo[j];
+        Btot += b[j];
+        S2 += ql[j] * Elo[j];
+    }
+    // grid_search(lower=False): uniform levels, then `rounds` cuts of the interval holding the largest term
+    std::vector<double> U0, U1, L0, L1, T;
+    for (auto* x : {&U0, &U1, &L0, &L1, &T}) x->reserve((size_t)M);
+    std::vector<double> lam((size_t)grid0);
+    for (int64_t i = 0; i < grid0; ++i) lam[i] = box_lambda(p, a, b, n, Btot, levels[i], rw, sc);
+    for (int64_t i = 0; i + 1 < grid0; ++i) {
+        U0.push_back(levels[i]);
+        U1.push_back(levels[i + 1]);
+        L0.push_back(lam[i]);
+        L1.push_back(lam[i + 1]);
+        T.push_back(box_term(p, a, b, n, Btot, levels[i], levels[i + 1], lam[i], lam[i + 1]));
+    }
+    std::vector<double> su((size_t)split + 1), sl((size_t)split + 1);
+    for (int64_t it = 0; it < rounds; ++it) {
+        size_t km = 0;  // torch.argmax: the first maximum, a NaN counting as the largest
+        for (size_t i = 1; i < T.size() && !std::isnan(T[km]); ++i)
+            if (std::isnan(T[i]) || T[i] > T[km]) km = i;
+        const double a0 = U0[km], a1 = U1[km];
+        su[0] = a0;
+        sl[0] = L0[km];
+        su[split] = a1;
+        sl[split] = L1[km];
+        for (int64_t s = 1; s < split; ++s) {
+            const double f = (double)s / (double)split;
+            const double x = nmin(nmax(a0 + (a1 - a0) * f, a0), a1);
+            su[s] = std::max(x, su[s - 1]);  // cummax
+            sl[s] = box_lambda(p, a, b, n, Btot, su[s], rw, sc);
+        }
+        for (auto* x : {&U0, &U1, &L0, &L1, &T}) x->erase(x->begin() + (std::ptrdiff_t)km);
+        for (int64_t s = 0; s < split; ++s) {
+            U0.push_back(su[s]);
+            U1.push_back(su[s + 1]);
+            L0.push_back(sl[s]);
+            L1.push_back(sl[s + 1]);
+            T.push_back(box_term(p, a, b, n, Btot, su[s], su[s + 1], sl[s], sl[s + 1]));
+        }
+    }
+    // _chain: by u0, ties by u1 (then by position: two stable sorts), and the checks
+    std::vector<int64_t> ord((size_t)M);
+    for (int64_t i = 0; i < M; ++i) ord[i] = i;
+    std::stable_sort(ord.begin(), ord.end(), [&](int64_t x, int64_t y) { return U0[x] < U0[y] || (U0[x] == U0[y] && U1[x] < U1[y]); });
+    int bad = 0;
+    for (int64_t i = 0; i < M; ++i) {
+        const int64_t o = ord[i];
+        o0[i] = U0[o];
+        o1[i] = U1[o];
+        ol0[i] = L0[o];
+        ol1[i] = L1[o];
+        bad |= !(o0[i] <= o1[i]) || (i > 0 && !(o1[i - 1] == o0[i]));
+    }
+    bad |= !(o0[0] == 0.0) || !(o1[M - 1] == 1.0);
+    if (bad) {
+        *bound = 1.0;
+        return 1;
+    }
+    // _certified_terms, then the max over the intervals, <= 1
+    const double s2d = down(S2 * k.s2_fac);
+    double best = -INFINITY;
+    for (int64_t i = 0; i < M; ++i) best = std::max(best, box_term_up(qh, Elo, Ehi, n, s2d, o0[i], o1[i], ol0[i], ol1[i], k));
+    *bound = std::min(best, 1.0);
+    return 0;
+}
+
+}  // namespace
+
+extern "C" {
+// box.py box_bound_enclosed on R rows of n tokens (row-major fp64; the caller checks them: finite q with
+// 0 <= q_lo <= q_hi, lo <= hi, no NaN, n >= 1, grid0 >= 2 levels from 0 to 1, split >= 2): bound [R] and the chained
+// grid u0, u1, l0, l1 [R, M], M = (grid0 - 1) + rounds (split - 1). Returns the number of rows whose grid did not chain
+// (their bound is 1; box.py raises).
+int kvcert_box_bound(const double* q_lo, const double* q_hi, const double* lo, const double* hi, int64_t R, int64_t n,
+                     const double* levels, int64_t grid0, int64_t rounds, int64_t split, double satc, double rho_fac,
+                     double t1_fac, double s2_fac, int threads, double* bound, double* u0, double* u1, double* l0, double* l1) {
+    const int64_t M = (grid0 - 1) + rounds * (split - 1);
+    const BoxConst k{satc, rho_fac, t1_fac, s2_fac};
+    int bad = 0;
+#pragma omp parallel for schedule(dynamic, 1) reduction(+ : bad) num_threads(threads)
+    for (int64_t i = 0; i < R; ++i) {
+        const int64_t o = i * n, g = i * M;
+        bad += box_row(q_lo + o, q_hi + o, lo + o, hi + o, n, levels, grid0, rounds, split, k, bound + i, u0 + g, u1 + g, l0 + g,
+                       l1 + g);
+    }
+    return bad;
+}
+}
