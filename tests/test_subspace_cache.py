@@ -209,3 +209,23 @@ def test_cli_subspace(tmp_path, capsys):
     assert docs["8"]["summary"]["worst_bound"] <= docs["0"]["summary"]["worst_bound"] + 1e-6
     assert main(["run", "--model", str(folder), "--subspace", "-1", "--prompt-file", str(prompt), "--out", str(tmp_path / "x")]) == 2
     assert "subspace" in capsys.readouterr().err
+
+
+def test_a_second_turn_is_certified_with_the_witness(model):
+    """Multi-row reads over the cache (a second generate on the same cache: its prompt rows read the quantized
+    keys) take the subspace intervals too: every row's true TV <= every form, and no row above the band
+    witness's own certificate of the same read."""
+    recs = {}
+    for m in (0, 8):
+        cache = CertifiedCache(model.config, "int4", sinks=0, window=0, shadow=True, subspace=m)
+        gen(model, tiny_ids(1, 70), cache, n=3)
+        with torch.no_grad():
+            model(input_ids=tiny_ids(1, 12, seed=9), past_key_values=cache, use_cache=True)  # a 12-row second turn
+        recs[m] = cache.row_records
+    rows = recs[8]
+    assert len(rows) == 2 and rows[0]["true_tv"].shape == (1, 12, 4)
+    for r, r0 in zip(rows, recs[0]):
+        for form in FORMS:
+            assert bool((r["true_tv"] <= r[form]).all()), form
+        assert bool((r["min"] <= r0["min"] * (1 + 1e-5) + 1e-7).all())
+    assert float(torch.stack([r["min"] for r in rows]).mean()) < float(torch.stack([r["min"] for r in recs[0]]).mean())

@@ -293,7 +293,7 @@ def attention_torch(q, k, v, rho, s, bands, valid, exact, certify=True, dense=No
     the output bound "out_err" (math.md T5) to the certificate. box_form=True (opt-in, O(K N log N)
     per row) adds the box form "box" (spec T9, fast.core.box.box_form_of_read) into "min".
     subspace: (U, a, tau, sigma), the query-subspace witness of the cache's keys (fast.core.subspace,
-    spec T4e; decode reads, valid [B, N] or None): every token's shift gets the signed interval
+    spec T4e; the rows of one KV head contiguous, as decode and attention_rows lay them out): every token's shift gets the signed interval
     [lo, hi] = [max(lo_sub, -c), min(hi_sub, c)] (both enclosures hold, so their intersection does;
     [0, 0] where c = 0: exact and padding tokens), certified in fp64 (subspace_forms).
 
@@ -417,7 +417,7 @@ ROW_ELEMS = 1 << 22  # rows are processed in chunks of about this many [H, T, N]
 
 
 def attention_rows(q, k, v, rho, scale, *, bands, q_pos, k_pos=None, valid=None, exact=None, certify=True,
-                   v_err=None, backend="auto"):
+                   v_err=None, backend="auto", subspace=None):
     """Certified attention of T query rows per sequence over one cache (math.md T2, T4, T5, T8):
     prefill chunks, a second turn, speculative verification; decode_attention is T = 1.
 
@@ -426,7 +426,7 @@ def attention_rows(q, k, v, rho, scale, *, bands, q_pos, k_pos=None, valid=None,
     of the keys (default arange(N)); valid: bool [B, N]. Row t reads key j iff valid[b, j] and
     k_pos[b, j] <= q_pos[b, t] (causal); every row must read at least one key.
     v_err: optional [B, Hkv, N] fp32 upper bounds of ||v_j - v~_j|| (0 at exact tokens): adds
-    "out_err" >= ||o - out|| (math.md T5, output_error_bound).
+    "out_err" >= ||o - out|| (math.md T5, output_error_bound). subspace: as decode_attention (torch backend).
     Returns out [B, T, H, D] fp32 and a dict of [B, T, H] fp32 tensors (the keys of
     decode_attention's certificate), or None when certify=False.
 
@@ -448,6 +448,8 @@ def attention_rows(q, k, v, rho, scale, *, bands, q_pos, k_pos=None, valid=None,
     rows = _check_rows(q, q_pos, k_pos, valid, N)
     vinfo = value_info(v, v_err) if (certify and v_err is not None) else None
     rho = _derive_rho(k, rho, bands, certify, backend, q)
+    if subspace is not None and (backend == "triton" or (backend == "auto" and q.is_cuda)):
+        raise ValueError("subspace: torch backend only")
     if backend == "triton" or (backend == "auto" and q.is_cuda):
         from fast.core import triton_kernels
         outs, certs = [], []
@@ -467,7 +469,8 @@ def attention_rows(q, k, v, rho, scale, *, bands, q_pos, k_pos=None, valid=None,
         Tc = t1 - t0
         qc = q[:, t0:t1].permute(0, 2, 1, 3).reshape(B, H * Tc, D)
         mask = rows[:, t0:t1].unsqueeze(1).expand(B, H, Tc, N).reshape(B, H * Tc, N)
-        o, c = attention_torch(qc, k, v, rho, s, bands, mask, exact, certify, dense=dense, kmax=kmax, vinfo=vinfo)
+        o, c = attention_torch(qc, k, v, rho, s, bands, mask, exact, certify, dense=dense, kmax=kmax, vinfo=vinfo,
+                               subspace=subspace if certify else None)  # rows h Tc + t: KV head (h Tc + t) // (G Tc)
         outs.append(o.view(B, H, Tc, D).permute(0, 2, 1, 3))
         if certify:
             certs.append({key: val.view(B, H, Tc).permute(0, 2, 1) for key, val in c.items()})
@@ -526,7 +529,5 @@ def decode_attention(q, k, v, rho, scale, *, bands, valid=None, exact=None, back
         if vinfo is not None:
             cert["out_err"] = _served_out_err(out, attention_torch(q, k, v, rho, s, bands, valid, exact, True, vinfo=vinfo))
         return out, cert
-    if subspace is not None and valid is not None and valid.dim() != 2:
-        raise ValueError("subspace: one valid mask per sequence ([B, N])")
     return attention_torch(q, k, v, rho, s, bands, valid, exact, certify, vinfo=vinfo, box_form=box_form,
                            subspace=subspace if certify else None)

@@ -53,7 +53,7 @@ class CertifiedCache(Cache):
     subspace: m > 0 stores the query-subspace witness (spec T4e, fast.core.subspace: per quantized token the m
     coefficients of its key error along the top m directions of each KV head's first-read queries, as int8 codes
     and one fp16 scale, plus 1 + NB log codes: m + 3 + NB bytes a token and KV head) and certifies decode reads with the signed
-    intervals it gives, intersected with the band witness (torch path; multi-row reads use the band witness);
+    intervals it gives, intersected with the band witness, decode and multi-row reads alike (torch path);
     basis: with subspace=m, a static basis [L, Hkv, m, D] fp32 for every request (fast.calibrate_basis) in
     place of each request's own from its first read;
     backend: "auto" (default) reads through the fused C++ kernel (fast.integrations.hf_fused) wherever

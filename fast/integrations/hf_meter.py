@@ -73,13 +73,14 @@ def _valid_row(mask, n):
 def _attend(q, k, v, rho, scale, bands, valid, exact, v_err=None, q_pos=None, box_form=False, sub=None):
     """decode_attention (q [B, H, D]) or, with q_pos [B, T], attention_rows (q [B, T, H, D]),
     looping over KV heads only when eviction left per-head padding (valid [B, Hkv, N]).
-    sub: the layer's subspace_view() for decode reads (or None)."""
+    sub: the layer's subspace_view() (or None)."""
     def one(qh, kh, vh, rh, vh_valid, eh, ve, sh):
         if q_pos is None:
             backend = "torch" if (box_form or sh is not None) else "auto"
             return decode_attention(qh, kh, vh, rh, scale, bands=bands, valid=vh_valid, exact=eh, v_err=ve,
                                     backend=backend, box_form=box_form, subspace=sh)
-        return attention_rows(qh, kh, vh, rh, scale, bands=bands, q_pos=q_pos, valid=vh_valid, exact=eh, v_err=ve)
+        return attention_rows(qh, kh, vh, rh, scale, bands=bands, q_pos=q_pos, valid=vh_valid, exact=eh, v_err=ve,
+                              backend="torch" if sh is not None else "auto", subspace=sh)
     if bool((valid == valid[:, :1]).all()):
         return one(q, k, v, rho, valid[:, 0], exact, v_err, sub)
     Hkv = k.shape[1]
@@ -106,7 +107,7 @@ def served_probs(q, k, scale, valid):
 
 def _certify(layer, q, k, v, scale, valid, q_pos=None, box_form=False):
     rho, exact = layer.witness_codes()
-    sub = layer.subspace_view() if q_pos is None else None
+    sub = layer.subspace_view()
     return _attend(q, k, v, rho, scale, layer.cache.bands, valid, exact, layer.value_err_view(), q_pos, box_form, sub)
 
 
