@@ -211,13 +211,14 @@ def test_cli_subspace(tmp_path, capsys):
     assert "subspace" in capsys.readouterr().err
 
 
-def test_a_second_turn_is_certified_with_the_witness(model):
+@pytest.mark.parametrize("box", [False, True])
+def test_a_second_turn_is_certified_with_the_witness(model, box):
     """Multi-row reads over the cache (a second generate on the same cache: its prompt rows read the quantized
-    keys) take the subspace intervals too: every row's true TV <= every form, and no row above the band
-    witness's own certificate of the same read."""
+    keys) take the subspace intervals too (and the box form over each row's visible tokens): every row's true
+    TV <= every form, and no row above the band witness's own certificate of the same read."""
     recs = {}
     for m in (0, 8):
-        cache = CertifiedCache(model.config, "int4", sinks=0, window=0, shadow=True, subspace=m)
+        cache = CertifiedCache(model.config, "int4", sinks=0, window=0, shadow=True, subspace=m, box_form=box)
         gen(model, tiny_ids(1, 70), cache, n=3)
         with torch.no_grad():
             model(input_ids=tiny_ids(1, 12, seed=9), past_key_values=cache, use_cache=True)  # a 12-row second turn
@@ -225,7 +226,7 @@ def test_a_second_turn_is_certified_with_the_witness(model):
     rows = recs[8]
     assert len(rows) == 2 and rows[0]["true_tv"].shape == (1, 12, 4)
     for r, r0 in zip(rows, recs[0]):
-        for form in FORMS:
+        for form in FORMS + (("box",) if box else ()):
             assert bool((r["true_tv"] <= r[form]).all()), form
         assert bool((r["min"] <= r0["min"] * (1 + 1e-5) + 1e-7).all())
     assert float(torch.stack([r["min"] for r in rows]).mean()) < float(torch.stack([r["min"] for r in recs[0]]).mean())

@@ -417,7 +417,7 @@ ROW_ELEMS = 1 << 22  # rows are processed in chunks of about this many [H, T, N]
 
 
 def attention_rows(q, k, v, rho, scale, *, bands, q_pos, k_pos=None, valid=None, exact=None, certify=True,
-                   v_err=None, backend="auto", subspace=None):
+                   v_err=None, backend="auto", subspace=None, box_form=False):
     """Certified attention of T query rows per sequence over one cache (math.md T2, T4, T5, T8):
     prefill chunks, a second turn, speculative verification; decode_attention is T = 1.
 
@@ -426,7 +426,8 @@ def attention_rows(q, k, v, rho, scale, *, bands, q_pos, k_pos=None, valid=None,
     of the keys (default arange(N)); valid: bool [B, N]. Row t reads key j iff valid[b, j] and
     k_pos[b, j] <= q_pos[b, t] (causal); every row must read at least one key.
     v_err: optional [B, Hkv, N] fp32 upper bounds of ||v_j - v~_j|| (0 at exact tokens): adds
-    "out_err" >= ||o - out|| (math.md T5, output_error_bound). subspace: as decode_attention (torch backend).
+    "out_err" >= ||o - out|| (math.md T5, output_error_bound). subspace, box_form: as decode_attention (torch
+    backend; the box over each row's visible tokens).
     Returns out [B, T, H, D] fp32 and a dict of [B, T, H] fp32 tensors (the keys of
     decode_attention's certificate), or None when certify=False.
 
@@ -448,8 +449,8 @@ def attention_rows(q, k, v, rho, scale, *, bands, q_pos, k_pos=None, valid=None,
     rows = _check_rows(q, q_pos, k_pos, valid, N)
     vinfo = value_info(v, v_err) if (certify and v_err is not None) else None
     rho = _derive_rho(k, rho, bands, certify, backend, q)
-    if subspace is not None and (backend == "triton" or (backend == "auto" and q.is_cuda)):
-        raise ValueError("subspace: torch backend only")
+    if (subspace is not None or box_form) and (backend == "triton" or (backend == "auto" and q.is_cuda)):
+        raise ValueError("box_form / subspace: torch backend only")
     if backend == "triton" or (backend == "auto" and q.is_cuda):
         from fast.core import triton_kernels
         outs, certs = [], []
@@ -470,7 +471,8 @@ def attention_rows(q, k, v, rho, scale, *, bands, q_pos, k_pos=None, valid=None,
         qc = q[:, t0:t1].permute(0, 2, 1, 3).reshape(B, H * Tc, D)
         mask = rows[:, t0:t1].unsqueeze(1).expand(B, H, Tc, N).reshape(B, H * Tc, N)
         o, c = attention_torch(qc, k, v, rho, s, bands, mask, exact, certify, dense=dense, kmax=kmax, vinfo=vinfo,
-                               subspace=subspace if certify else None)  # rows h Tc + t: KV head (h Tc + t) // (G Tc)
+                               subspace=subspace if certify else None,  # rows h Tc + t: KV head (h Tc + t) // (G Tc)
+                               box_form=box_form and certify)
         outs.append(o.view(B, H, Tc, D).permute(0, 2, 1, 3))
         if certify:
             certs.append({key: val.view(B, H, Tc).permute(0, 2, 1) for key, val in c.items()})

@@ -48,7 +48,7 @@ class CertifiedCache(Cache):
     values stay at `scheme` (the certificate bounds the attention weights, which depend on the
     keys alone; the values' error is T5's value bound, value_bound=True); the top rung serves
     exact keys and values as before;
-    box_form: decode reads whose certificate would trip the gate (every decode read without a
+    box_form: reads (decode and multi-row) whose certificate would trip the gate (every read without a
     threshold gate) are certified again with the box form too (spec T9, fast.core.box; torch path);
     subspace: m > 0 stores the query-subspace witness (spec T4e, fast.core.subspace: per quantized token the m
     coefficients of its key error along the top m directions of each KV head's first-read queries, as int8 codes

@@ -80,7 +80,7 @@ def _attend(q, k, v, rho, scale, bands, valid, exact, v_err=None, q_pos=None, bo
             return decode_attention(qh, kh, vh, rh, scale, bands=bands, valid=vh_valid, exact=eh, v_err=ve,
                                     backend=backend, box_form=box_form, subspace=sh)
         return attention_rows(qh, kh, vh, rh, scale, bands=bands, q_pos=q_pos, valid=vh_valid, exact=eh, v_err=ve,
-                              backend="torch" if sh is not None else "auto", subspace=sh)
+                              backend="torch" if (box_form or sh is not None) else "auto", subspace=sh, box_form=box_form)
     if bool((valid == valid[:, :1]).all()):
         return one(q, k, v, rho, valid[:, 0], exact, v_err, sub)
     Hkv = k.shape[1]
@@ -145,15 +145,15 @@ def _gated(layer, q, key, value, scale, q_pos=None):
     """Certify one read and apply the gate: while some KV head's worst certificate over the read's
     rows and batch exceeds TAU, promote those heads (certified:TAU: to exact; ladder:TAU: one rung up,
     each rung certified on its own) and certify the read again, so the read served is the one the
-    returned certificate covers. With cache.box_form a decode read that would trip the gate (every
-    decode read without a threshold gate) is certified with the box form too (spec T9).
+    returned certificate covers. With cache.box_form a read that would trip the gate (every read
+    without a threshold gate; decode or rows) is certified with the box form too (spec T9).
     Returns out, cert, pre (the first certificate's min), the number of promotions, key, value."""
     cache, gate = layer.cache, layer.cache.gate
 
     def certify(key, value):
         out, cert = _certify(layer, q, key.float(), value.float(), scale, layer.valid, q_pos)
-        if cache.box_form and q_pos is None and (not gate.thresholded or bool((cert["min"] > gate.tau).any())):
-            out, cert = _certify(layer, q, key.float(), value.float(), scale, layer.valid, box_form=True)
+        if cache.box_form and (not gate.thresholded or bool((cert["min"] > gate.tau).any())):
+            out, cert = _certify(layer, q, key.float(), value.float(), scale, layer.valid, q_pos, box_form=True)
         return out, cert
 
     def over(cert):
@@ -256,6 +256,8 @@ def rows_step(layer, query, key, value, scale, mask=None):
            "steps": (t0 + 1, t0 + T), "pre_min": pre, "repaired": layer.repaired.clone(),
            "rung": layer.rung.clone(), "fresh_repairs": fresh, "max_c": cert["max_c"].float()}
     rec.update({f: cert[f].float() for f in FORMS})
+    if "box" in cert:  # box_form: these rows were certified with the box form too (in min already)
+        rec["box"] = cert["box"].float()
     served_out = out.to(query.dtype)  # what the model gets (bf16 / fp16 models: the cast is served)
     if "out_err" in cert:
         rec["out_err"] = served_out_err(cert["out_err"], out, served_out)

@@ -499,8 +499,8 @@ def parser():
         p.add_argument("--witness", choices=("stored", "derived"), default="stored",
                        help="derived: zero-memory witness from the scales (uniform codecs); stored: 1 byte per band")
         p.add_argument("--shadow", action="store_true", help="also keep the exact cache and record the true TV")
-        p.add_argument("--box", action="store_true", help="certify the decode reads whose forms exceed the gate's TAU "
-                       "with the box form too (spec T9; every decode read without a threshold gate)")
+        p.add_argument("--box", action="store_true", help="certify the reads whose forms exceed the gate's TAU "
+                       "with the box form too (spec T9; every read without a threshold gate)")
 
     r = sub.add_parser("run", help="generate and certify")
     r.add_argument("--scheme", default=None, help="the cache's codec (default int8); not with --evict-gate")
