@@ -120,3 +120,24 @@ def test_wheel_ships_the_library_only(tmp_path):
     want += [f"fast/core/csrc/{f.name}" for f in (FAST / "core" / "csrc").glob("*.cpp")]
     missing = [n for n in want if n not in names]
     assert not missing, f"the wheel lacks {missing}"
+
+
+CORE_STAGES = [("base", {"_checks", "floats", "threads", "native", "rope"}), ("forms", {"certify", "box"}),
+               ("codecs", {"quant", "schemes", "prerope"}), ("kernels", {"triton_kernels"}),
+               ("witnesses", {"witness", "subspace", "dither", "evict", "pagebox"}),
+               ("reads", {"attention", "cpu_fused", "sparse"})]
+
+
+def test_core_is_laid_out_by_stage():
+    """Property: every module of fast.core sits in one stage of fast/core/__init__.py's list, and imports
+    (anywhere in the file) only from its own stage or earlier ones: no codec or witness reaches into a read."""
+    mods, edges = graph()
+    stage = {f"fast.core.{m}": i for i, (_, names) in enumerate(CORE_STAGES) for m in names}
+    core = {m for m, p in mods.items() if m.startswith("fast.core.")}
+    assert core == set(stage), f"unplaced: {sorted(core - set(stage))}, gone: {sorted(set(stage) - core)}"
+    for m in sorted(core):
+        later = [n for n in edges[m] if n in stage and stage[n] > stage[m]]
+        assert not later, f"{m} ({CORE_STAGES[stage[m]][0]}) imports a later stage: {later}"
+    doc = (FAST / "core" / "__init__.py").read_text()
+    for name, names in CORE_STAGES:
+        assert all(n in doc for n in names) and name in doc, name

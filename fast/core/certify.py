@@ -41,8 +41,8 @@ import torch
 
 from fast.core import _checks
 
-U32 = 2.0 ** -24
-U64 = 2.0 ** -53
+from fast.core.floats import U32, U64, _down, _inf, _up, band_norms_up, down32, down64, gamma, up32, up64  # noqa: F401 (re-exported)
+
 EXP_EPS = 8 * U64
 EXP32_EPS = 8 * U32  # fp32 exp / expm1 (Sleef u10: 1 ulp; measured <= 0.75 ulp): 2 ulp, twice over
 FORMS = ("tanh", "one_minus_b_over_a", "e_form", "min")
@@ -54,49 +54,9 @@ T_CUT = {torch.float32: 88.0, torch.float64: 709.0}  # e^-T_CUT < TINY
 UNIT = {torch.float32: (U32, EXP32_EPS), torch.float64: (U64, EXP_EPS)}
 
 
-def gamma(n, u=U64):
-    """gamma_n = n u / (1 - n u) (Higham): the relative error of an n-term sum."""
-    if n * u >= 1e-3:
-        raise ValueError(f"gamma_{n}: too many terms for the stated margin")
-    return n * u / (1 - n * u)
-
-
 def sum_margin(n):
     """Relative margin for an n-term fp64 sum of products of an exp: see module doc."""
     return 2 * (EXP_EPS + gamma(n + 1))
-
-
-_INF = {}
-
-
-def _inf(x, sign):
-    """A cached 0-dim +-inf of x's dtype and device: nextafter broadcasts it."""
-    key = (x.dtype, x.device, sign)
-    if key not in _INF:
-        _INF[key] = torch.tensor(sign * math.inf, dtype=x.dtype, device=x.device)
-    return _INF[key]
-
-
-def up64(x):
-    """One ulp toward +inf (fp64): an upper bound of the exact result of the last operation."""
-    return torch.nextafter(x, _inf(x, 1))
-
-
-def down64(x):
-    """One ulp toward -inf (fp64)."""
-    return torch.nextafter(x, _inf(x, -1))
-
-
-def up32(x64):
-    """fp64 -> fp32, rounded UP: the smallest fp32 >= x64 (or a neighbour above it)."""
-    y = x64.to(torch.float32)
-    return torch.where(y.to(torch.float64) < x64, torch.nextafter(y, _inf(y, 1)), y)
-
-
-def down32(x64):
-    """fp64 -> fp32, rounded DOWN."""
-    y = x64.to(torch.float32)
-    return torch.where(y.to(torch.float64) > x64, torch.nextafter(y, _inf(y, -1)), y)
 
 
 def tanh_half_up(cmax):
@@ -163,15 +123,6 @@ def tv_bound_forms(p_tilde, c):
         raise ValueError("p_tilde: a row sums to zero")
     a_up, b_down, s_down, s_up = weighted_sums(p, c64)  # S = sum p~ bounded both ways: A = A'/S, B = B'/S
     return to_fp32(forms_from_sums(a_up, b_down, s_down, s_up, c64.amax(-1)))
-
-
-def _up(x):
-    """numpy fp64: one ulp toward +inf."""
-    return np.nextafter(x, np.inf)
-
-
-def _down(x):
-    return np.nextafter(x, -np.inf)
 
 
 def weight_rounding(e, n, d_head, drift=0.0, rescales=0):
@@ -310,20 +261,6 @@ def forms_from_pmz(sums, cmax, e, n, d_head, dtype):
     out32 = np.where(out32 < out, np.nextafter(out32, np.float32(np.inf)), out32)  # rounded up to fp32
     out32[1] = -out32[1]  # B rounded down
     return dict(zip(CERT_KEYS, torch.from_numpy(out32).to(sums.device).unbind(0)))
-
-
-def band_norms_up(x64, bands):
-    """Upper bounds of ||x_b|| for x64: [..., D] fp64 holding values that were fp32 (or
-    differences of two fp32 values). Returns [..., NB] fp64.
-
-    Error: x itself may carry one rounding (a difference, relative u64), its square one
-    more and 2 u64 from the inexact x, the W-term sum gamma_{W-1}, sqrt halves the relative
-    error and adds u64: in all <= gamma_{W+4}; the margin 2 gamma_{W+4} covers second-order terms.
-    """
-    xb = x64[..., bands]  # [..., NB, W]
-    W = bands.shape[1]
-    norms = torch.sqrt((xb * xb).sum(-1))
-    return up64(norms * (1 + 2 * gamma(W + 4)))
 
 
 def logit_rounding(q, kmax, s):

@@ -34,7 +34,7 @@ import math
 import torch
 
 from fast.core import _checks
-from fast.core.certify import U32, U64, band_norms_up, up32, up64
+from fast.core.floats import U32, U64, band_norms_up, up32, up64
 from fast.core.schemes import CodecStored, Scheme, SchemeError, Store
 
 BLOCK = 32  # tokens per per-channel scale block (keys)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from fast.core import _checks
-from fast.core.certify import up32
+from fast.core.floats import up32
 
 SCHEMES = ("int8", "int8_dither", "int4", "int4_dither", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3_rtz", "fp8_e5m2_rtz")
 # Largest code magnitude used: |x / delta| <= QMAX. Dithered codes: |y| <= QMAX keeps y in the code

@@ -39,7 +39,7 @@ Every bound is also checked against exact keys and against the 60-digit referenc
 import torch
 
 from fast.core import _checks
-from fast.core.certify import U64, band_norms_up, gamma, up32, up64, down64
+from fast.core.floats import U64, band_norms_up, down64, gamma, up32, up64
 
 QWIN = 128         # query rows (the last QWIN positions of the first read) that fix a KV head's basis
 QMAX = 127         # the coefficients' int8 codes

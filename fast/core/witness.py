@@ -9,7 +9,7 @@ nor overflow there, so the only errors are relative ones with the Higham bounds 
 import torch
 
 from fast.core import _checks
-from fast.core.certify import U64, band_norms_up, gamma, up32, up64
+from fast.core.floats import U64, band_norms_up, gamma, up32, up64
 
 IN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # The uint8 log code: code 0 is exactly 0, code i in [1, 254] is 2^((i - LOG_ZERO) / LOG_STEPS)
