@@ -50,7 +50,7 @@ def check_gate_read(case):
     take = lambda t: t.gather(2, keep[..., None].expand(-1, -1, -1, 8))
     gate.begin_step(torch.ones(1, keep.shape[2], dtype=torch.bool))
     out = gate.read(0, q[:, :, None], take(keys), take(values), s)[0, 0]  # [H, 8]
-    rec = gate._step[0]
+    rec = gate._step[0][0]                                                 # layer 0, its one row
     st_ = gate.layers[0]
     sk = st_["sketch"]
     k_hat = sk.boxes().lo[0].double()                                      # [Hkv, E, 8] decoded codes
