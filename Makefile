@@ -68,6 +68,7 @@ bench: install
 	$(PY) -m benchmarks.quant_eval --n 100 --tokens 384 --schemes prerope4 --out results/quant_eval_prerope.json
 	$(PY) -m benchmarks.harm_study
 	$(PY) -m benchmarks.vllm_bench
+	$(PY) -m benchmarks.vllm_tight
 	$(PY) -m spec.readme --write
 
 # The evaluation tables only (eviction, quantization, pre-RoPE, harm study): about 3 hours on 2 CPU cores.

@@ -297,11 +297,76 @@ def test_vllm_fault_is_flagged_and_repaired(tiny):
     assert sum(s["repairs"] for s in summaries(parts).values()) > 0
 
 
+def test_plugin_int8_cast_is_one_scale_per_token_head():
+    """property of the int8 codec (KVCERT_CODEC=int8): per (token, KV head) the stored values are integer
+    multiples of one scale within half a step of the exact ones (step <= max|x| / 127, its fp16 rounding
+    allowed); a (token, head) holding NaN/Inf stays non-finite (the certified read refuses it) and leaves
+    the other rows as they were."""
+    from fast.integrations.vllm import _cast
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(40, 3, 64, generator=g) * torch.logspace(-3, 3, 40)[:, None, None]
+    y = _cast(x, "int8")
+    step = x.abs().amax(-1, keepdim=True) / 127 * (1 + 2 ** -10)
+    assert ((y - x).abs() <= step / 2 + 1e-12).all() and not torch.equal(y, x)
+    ratio = y / y.abs().amax(-1, keepdim=True) * 127  # codes, when the largest code is 127
+    assert (ratio - ratio.round()).abs().max() < 1e-3
+    x2 = x.clone()
+    x2[5, 1, 7] = float("nan")
+    y2 = _cast(x2, "int8")
+    assert not torch.isfinite(y2[5, 1]).all()
+    keep = torch.ones(40, 3, dtype=torch.bool)
+    keep[5, 1] = False
+    assert torch.equal(y2[keep], y[keep])
+
+
+def _layer0_bounds(outs, parts, n_prompt):
+    """{(prompt index, position): bound row [H]} of layer 0's prompt rows (keys there depend on the prompt only)."""
+    rows = {}
+    for i, o in enumerate(outs):
+        for r in (r for p in parts for r in p["records"] if r["layer"] == 0 and r["request"].startswith(o.request_id + "-")):
+            for j, pos in enumerate(np.asarray(r["pos"]).tolist()):
+                if pos < n_prompt[i]:
+                    rows[(i, pos)] = np.asarray(r["bound"])[j]
+    return rows
+
+
+def test_vllm_int8_box_form_is_sound_and_tighter(tiny):
+    """property vs the exact side store: KVCERT_CODEC=int8 with and without the box form (KVCERT_BOX),
+    chunked prefill and preemption: 0 violations on every row of both engines, and on layer 0's prompt rows
+    (the same keys in both) the box form's bound is never above the closed forms' and lower on the whole.
+    A box engine without shadow mode (gate certified, each request's tau 1: nothing repaired) serves
+    exactly the shadow box engine's tokens: the twin's output is what is served (a read that left vLLM's
+    output buffer unwritten would fail here)."""
+    from vllm import SamplingParams
+    runs = {}
+    for box in (False, True):
+        llm = _engine(tiny, codec="int8", shadow=True, box=box, num_gpu_blocks_override=9)
+        outs = _generate(llm, n=8)
+        parts = collect(llm)
+        del llm
+        recs = [r for p in parts for r in p["records"]]
+        tv, bound = _cat(recs, "true_tv"), _cat(recs, "bound")
+        assert tv.size > 1500 and float(tv.max()) > 1e-5 and not (tv > bound).any(), box
+        runs[box] = (outs, parts)
+    n_prompt = [len(p) for p in PROMPTS]
+    band, box = (_layer0_bounds(*runs[b], n_prompt) for b in (False, True))
+    assert band.keys() == box.keys() and len(box) > 150  # prompt rows served from the prefix cache are not read
+    b0, b1 = np.stack([band[k] for k in sorted(band)]), np.stack([box[k] for k in sorted(box)])
+    assert (b1 <= b0 + 1e-7).all() and b1.mean() < 0.9 * b0.mean(), (b1.mean(), b0.mean())
+    llm = _engine(tiny, codec="int8", box=True, gate="certified:0.2", num_gpu_blocks_override=9)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, extra_args={"kvcert_tau": 1.0})
+    served = generate(llm, [{"prompt_token_ids": p} for p in PROMPTS], params)
+    del llm
+    assert [list(o.outputs[0].token_ids) for o in served] == [list(o.outputs[0].token_ids) for o in runs[True][0]]
+    assert all(o.kvcert["repairs"] == 0 and o.kvcert["reads"] > 0 for o in served)
+
+
 @pytest.mark.parametrize("kw, msg", [
     ({"dtype": "bfloat16"}, "model dtype"),
     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8'"),
     ({"attention_backend": "TORCH_SDPA"}, "attention_backend"),
-    ({"codec": "int3"}, "codec='int3': expected one of fp8_e4m3, fp8_e5m2, none"),
+    ({"codec": "int3"}, "codec='int3': expected one of fp8_e4m3, fp8_e5m2, int8, none"),
+    ({"box": True, "certify": False}, "the box form need certificates"),
     ({"gate": "certified:2"}, "TAU must be in [0, 1]"),
     ({"gate": "certfied:0.2"}, "gate='certfied:0.2': unknown gate"),
     ({"fault": "key_scale:-1"}, "fault='key_scale:-1': expected none or key_scale:F"),

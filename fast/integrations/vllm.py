@@ -52,6 +52,8 @@ Configuration (environment, read in every process; workers inherit it):
   KVCERT_BANDS=8           bands per head (math.md Bands; rotate_half pairs)
   KVCERT_RECORDS=0         per-read records a worker keeps (the oldest dropped first; make_llm: records=)
   KVCERT_MAX_SUMMARIES=1024 summaries of finished requests kept until handed back (the oldest dropped first)
+  KVCERT_BOX=1             the box form (spec T9) in every certificate: every read by the torch twin
+                           (attention_rows(box_form=True), its C++ grid search), tighter and slower
   KVCERT_FAULT             none (default) | key_scale:F: a faulty quantizer for demos and tests, the keys
                            stored times F after the cast (a wrong or missing scale); the witness, measured
                            against the exact key, sees it: certified, flagged, repaired by the gate
@@ -89,13 +91,13 @@ from fast.integrations import vllm_fp8
 from fast.policies.gate import parse_gate
 
 ENV = "KVCERT_VLLM"
-CODECS = vllm_fp8.CODECS + ("none",)
+CODECS = vllm_fp8.CODECS + ("int8", "none")
 EXTENSION = "fast.integrations.vllm.KVCertWorker"
 
 
 # every KVCERT_* variable the project reads (a misspelt name would otherwise be ignored without a word)
 KNOWN_ENV = ("KVCERT_VLLM", "KVCERT_CODEC", "KVCERT_GATE", "KVCERT_SHADOW", "KVCERT_CERTIFY", "KVCERT_TRACE_DIR",
-             "KVCERT_BANDS", "KVCERT_RECORDS", "KVCERT_MAX_SUMMARIES", "KVCERT_FAULT",
+             "KVCERT_BANDS", "KVCERT_RECORDS", "KVCERT_MAX_SUMMARIES", "KVCERT_FAULT", "KVCERT_BOX",
              "KVCERT_BUILD_DIR", "KVCERT_CACHE", "KVCERT_SANITIZE", "KVCERT_SCALAR", "KVCERT_TRITON_CHILD")
 
 
@@ -139,6 +141,7 @@ class Config:
                              "none or certified:TAU)")
         self.shadow = flag("KVCERT_SHADOW", "0")
         self.certify = flag("KVCERT_CERTIFY", "1")
+        self.box = flag("KVCERT_BOX", "0")  # the box form (spec T9) on every read, by the torch twin
         self.trace_dir = env.get("KVCERT_TRACE_DIR") or None
         self.bands = count("KVCERT_BANDS", "8", least=1)
         # per-read records a worker keeps (the oldest dropped first, counted); 0: none (serving)
@@ -146,8 +149,8 @@ class Config:
         # summaries of finished requests not yet handed back (generate()) a worker keeps, the oldest dropped first
         self.max_summaries = count("KVCERT_MAX_SUMMARIES", "1024", least=1)
         self.fault = parse_fault(env.get("KVCERT_FAULT", "none"), name("KVCERT_FAULT"))
-        if (self.gate.kind == "certified" or self.shadow) and not self.certify:
-            raise ValueError("kvcert: the gate and shadow mode need certificates (KVCERT_CERTIFY=1)")
+        if (self.gate.kind == "certified" or self.shadow or self.box) and not self.certify:
+            raise ValueError("kvcert: the gate, shadow mode and the box form need certificates (KVCERT_CERTIFY=1)")
 
     @property
     def exact_store(self):
@@ -486,7 +489,7 @@ def _backend_classes():
             kernel flags NaN/Inf; every row reads keys 0..pos) -> (out [1, T, H, D], kernel stats, None), the
             certificate epilogue left to the caller; else the torch twin over the gathered keys (same contract)
             -> (out, None, cert). The output is what the plugin serves."""
-            if cpu_fused.available():
+            if cpu_fused.available() and not self.cfg.box:
                 kt, vv = self._views(kv_cache)
                 if getattr(self, "_bands64", None) is None:
                     self._bands64 = self.band_idx.to(torch.int64).contiguous()
@@ -495,22 +498,23 @@ def _backend_classes():
                 out, stats = cpu_fused._run(q[None].contiguous(), qpos, [s0, self._empty_seg()], self.scale,
                                             self._bands64, 1, 1, True, out=out)
                 return out, stats, None
-            return self._twin(q, kv_cache, table, N, pos)
+            return self._twin(q, kv_cache, table, N, pos, box_form=self.cfg.box)
 
         def _empty_seg(self):
             if getattr(self, "_seg_none", None) is None:
                 self._seg_none = cpu_fused.seg(self.num_kv_heads, 0)
             return self._seg_none
 
-        def _twin(self, q, kv_cache, table, N, pos, served_by_kernel=False):
+        def _twin(self, q, kv_cache, table, N, pos, served_by_kernel=False, box_form=False):
             """(out, None, cert) by the torch twin over the gathered blocks. served_by_kernel: the fused
-            read's output was served, not this one: the certificate covers its logits too (with_other_logits)."""
+            read's output was served, not this one: the certificate covers its logits too (with_other_logits).
+            box_form: the box form (spec T9) in the certificate's min (KVCERT_BOX)."""
             kt, vv = self._views(kv_cache)
             blocks = table[0, :(N + kt.shape[3] - 1) // kt.shape[3]].long()
             k = kt[blocks].permute(1, 0, 3, 2).reshape(self.num_kv_heads, -1, self.head_size)[:, :N]  # [Hkv, N, D] as stored
             v, rho = self._gather(vv, blocks, N), self._gather(self.rho, blocks, N)
             out, cert = attention_rows(q[None], k[None], v[None], rho[None], self.scale, bands=self.band_idx, q_pos=pos[None],
-                                       backend="torch")
+                                       backend="torch", box_form=box_form)
             if served_by_kernel:  # q: [T, H, D] -> e [1, H] over the rows
                 cert = with_other_logits(cert, logit_rounding(q.abs().amax(0)[None], k[None].abs().amax(2).double(), self.scale))
             return out, None, cert
@@ -534,7 +538,7 @@ def _backend_classes():
             lidx = self._lidx(layer)
             q_all = query[:n].view(n, H, D).float()
             out_all = output[:n].view(n, H, D)
-            direct = out_all.dtype == torch.float32 and out_all.is_contiguous() and cpu_fused.available()
+            direct = out_all.dtype == torch.float32 and out_all.is_contiguous() and cpu_fused.available() and not self.cfg.box
             now = self.exact_k is not None  # gate or shadow: the bound decides what is served / is checked now
             entries = []
             for b in range(len(seq)):
@@ -684,8 +688,14 @@ def flush():
 
 
 def _cast(x, codec):
-    """vLLM's CPU fp8 cast and read-back (scale 1, vLLM's default): fast.core.quant's round-toward-zero
-    codec; fast.integrations.vllm_fp8 is the independent model it is tested against."""
+    """x [n, Hkv, D] -> the values the cache holds. fp8: vLLM's CPU fp8 cast and read-back (scale 1, vLLM's
+    default): fast.core.quant's round-toward-zero codec; fast.integrations.vllm_fp8 is the independent model it
+    is tested against. int8: fast.core.quant's int8 with one fp16 scale per (token, KV head) (group = D), as
+    vLLM's int8_per_token_head (GPU backends) keeps one scale per token and head."""
+    if codec == "int8":  # a (token, head) with NaN/Inf stays non-finite, as the fp8 cast leaves it: the read refuses it
+        bad = ~torch.isfinite(x).all(-1, keepdim=True)
+        y = dequantize(quantize(x.float().masked_fill(bad, 0.0)[None], "int8", group_size=x.shape[-1]))[0]
+        return torch.where(bad, x.float(), y)
     return dequantize(quantize(x.float()[None], codec + "_rtz"))[0]
 
 
@@ -968,22 +978,23 @@ class KVCertWorker:
 
 
 def make_llm(model, *, codec="fp8_e4m3", gate="none", shadow=False, certify=True, trace_dir=None, bands=8,
-             records=100_000, max_summaries=1024, fault="none", **kwargs):
+             records=100_000, max_summaries=1024, fault="none", box=False, **kwargs):
     """vllm.LLM with the plugin on (sets the KVCERT_* environment the workers inherit) after the
     start-up checks; bad configuration -> ValueError with one line, before any engine starts.
     records: per-read records each worker keeps for collect() (the oldest dropped first; 0: none);
     max_summaries: summaries of finished requests a worker keeps until handed back (generate() does).
     kvcert's side tensors are counted inside vLLM's KV-cache budget (kv_cache_memory_bytes, or what vLLM
-    finds free): vLLM's reported KV capacity is what is left for its cache. fault: KVCERT_FAULT."""
+    finds free): vLLM's reported KV capacity is what is left for its cache. fault: KVCERT_FAULT.
+    box: KVCERT_BOX (every read by the torch twin with the box form: tighter, slower)."""
     env = {ENV: "1", "KVCERT_CODEC": str(codec), "KVCERT_GATE": str(gate), "KVCERT_SHADOW": "1" if shadow else "0",
            "KVCERT_CERTIFY": "1" if certify else "0", "KVCERT_BANDS": str(bands), "KVCERT_RECORDS": str(records),
-           "KVCERT_MAX_SUMMARIES": str(max_summaries), "KVCERT_FAULT": str(fault)}
+           "KVCERT_MAX_SUMMARIES": str(max_summaries), "KVCERT_FAULT": str(fault), "KVCERT_BOX": "1" if box else "0"}
     if trace_dir:
         env["KVCERT_TRACE_DIR"] = str(trace_dir)
     else:  # a trace_dir of an earlier make_llm in this process must not reach this engine's workers
         os.environ.pop("KVCERT_TRACE_DIR", None)
     names = {"KVCERT_CODEC": "codec", "KVCERT_GATE": "gate", "KVCERT_BANDS": "bands", "KVCERT_RECORDS": "records",
-             "KVCERT_MAX_SUMMARIES": "max_summaries", "KVCERT_FAULT": "fault"}
+             "KVCERT_MAX_SUMMARIES": "max_summaries", "KVCERT_FAULT": "fault", "KVCERT_BOX": "box"}
     cfg = Config({**{k: v for k, v in os.environ.items() if k.startswith("KVCERT_")}, **env}, names=names)
     backend = kwargs.get("attention_backend")
     if backend not in (None, "CPU_ATTN"):
