@@ -16,18 +16,6 @@ import sys
 import time
 
 
-def _soundness(recs):
-    import numpy as np
-    tv = np.concatenate([np.asarray(r["true_tv"], dtype=np.float64).ravel() for r in recs])
-    b = np.concatenate([np.asarray(r["bound"], dtype=np.float64).ravel() for r in recs])
-    pos = tv > 0
-    ratio = b[pos] / tv[pos]
-    return {"checks": int(tv.size), "violations": int((tv > b).sum()), "coverage_0.2": float((b <= 0.2).mean()),
-            "median_bound_over_tv": float(np.median(ratio)) if pos.any() else None,
-            "p90_bound_over_tv": float(np.quantile(ratio, 0.9)) if pos.any() else None,
-            "median_bound": float(np.median(b)), "median_true_tv": float(np.median(tv))}
-
-
 def _tables(res):
     sound = {"title": "kvcert inside vLLM, tighter certificates: soundness in shadow mode (every row, layer and head "
                       f"of {res['prompts']} passkey prompts of ~{res['prompt_tokens'][0]} tokens; truth from the exact "
@@ -59,7 +47,7 @@ def main(argv=None):
     start = time.time()
     from transformers import AutoTokenizer
 
-    from benchmarks.vllm_bench import _answers, _engine, _prompts
+    from benchmarks.vllm_bench import _answers, _engine, _prompts, soundness
     from fast.integrations.vllm import collect, smollm2_dir, summaries
     from tqdm import tqdm
     model = str(smollm2_dir())
@@ -78,7 +66,7 @@ def main(argv=None):
         plain.setdefault(codec, ok)
         recs = [r for p in collect(llm) for r in p["records"]]
         del llm
-        res["soundness"].append({"codec": codec, "box": box, **_soundness(recs), "seconds": time.time() - t})
+        res["soundness"].append({"codec": codec, "box": box, **soundness(recs), "seconds": time.time() - t})
     for codec in tqdm(codecs, desc="gated engines"):
         ok_plain = plain[codec]
         llm = _engine(model, codec=codec, gate=args.gate, box=True)

@@ -44,7 +44,8 @@ Online serving (`vllm serve`): the same switch; two documented vLLM extension po
 
 Configuration (environment, read in every process; workers inherit it):
   KVCERT_VLLM=1            enable the plugin
-  KVCERT_CODEC             fp8_e4m3 (default) | fp8_e5m2 | none (an exact fp32 cache)
+  KVCERT_CODEC             fp8_e4m3 (default) | fp8_e5m2 | int8 (one fp16 scale per token and KV head) |
+                           none (an exact fp32 cache); every codec stored decoded in vLLM's fp32 cache
   KVCERT_GATE              none (default) | certified:TAU
   KVCERT_SHADOW=1          also the true TV per (row, head) (needs the exact side store)
   KVCERT_CERTIFY=0         the codec without certificates (the speed baseline)
@@ -209,7 +210,7 @@ def check_engine(cfg, *, dtype, kv_cache_dtype, head_size, attn_type="decoder"):
                          "the plugin does not read back)")
     if kv_cache_dtype != "auto":
         raise ValueError(f"kvcert: kv_cache_dtype={kv_cache_dtype!r} is not supported: use kv_cache_dtype='auto' and "
-                         "KVCERT_CODEC=fp8_e4m3|fp8_e5m2 (the plugin applies vLLM's fp8 cast itself)")
+                         "KVCERT_CODEC=fp8_e4m3|fp8_e5m2|int8 (the plugin applies the codec itself)")
     if head_size % (2 * cfg.bands):
         raise ValueError(f"kvcert: head size {head_size} is not a multiple of 2 * KVCERT_BANDS = {2 * cfg.bands}")
     if str(attn_type).lower() not in ("decoder", "attentiontype.decoder"):
