@@ -23,6 +23,7 @@ import fast
 from fast.core import attention as twin
 from fast.core import cpu_fused
 from fast.core.certify import EXP32_EPS, FORMS, TINY, U32
+from fast.core.quant import quantize
 from fast.core.witness import _log_table
 from reference import band as ref_band
 from reference import softmax as ref
@@ -907,3 +908,68 @@ def test_asym_bad_inputs_one_value_error(what):
            "codes_width": dict(kw, k_asym=replace(ka, codes=torch.cat([ka.codes, ka.codes], -1)))}[what]
     with pytest.raises(ValueError):
         cpu_fused.seg(1, 32, **bad)
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=PAGED, ng=st.sampled_from([1, 2]), u8=st.booleans())
+def test_paged_int8_codes_same_bits_as_contiguous(case, ng, u8):
+    """int8 codes read in place from a paged cache packed as kvcert's vLLM cache packs them (per (block, head)
+    one byte slab: key codes [bs, D], value codes [bs, D], key and value fp16 scales [bs, ng], witness [bs, NB]):
+    output and stats equal bit for bit the read of the same codes laid out contiguously (seg), in the vector and
+    the scalar build, with fp32 or uint8 log-code witnesses."""
+    g = torch.Generator().manual_seed(case["seed"])
+    B, T, Hkv, G, N, bs, D = (case[x] for x in ("B", "T", "Hkv", "G", "N", "bs", "D"))
+    T, NB, H = min(T, N), 8, Hkv * G
+    kq = quantize(torch.randn(B, Hkv, N, D, generator=g), "int8", group_size=D // ng)
+    vq = quantize(torch.randn(B, Hkv, N, D, generator=g), "int8", group_size=D // ng)
+    if u8:
+        rho = torch.randint(0, 200, (B, Hkv, N, NB), generator=g, dtype=torch.uint8)
+    else:
+        rho = torch.rand(B, Hkv, N, NB, generator=g) * 1e-2
+    rb = rho.element_size() * NB
+    nblk = -(-N // bs)
+    nb = B * nblk + 3
+    perm = torch.randperm(nb, generator=g)[: B * nblk].view(B, nblk).to(torch.int32)
+    table = torch.cat([perm, torch.full((B, 2), nb - 1, dtype=torch.int32)], 1).contiguous()
+    row = 2 * D + 4 * ng + rb  # bytes per (slot, head)
+    slab = torch.full((nb, Hkv, bs * row), 0x7F, dtype=torch.uint8)  # unused slots: garbage codes
+    part = lambda off, width, dt: slab[:, :, off * bs: (off + width) * bs].view(dt).view(nb, Hkv, bs, -1)
+    kc, vc = part(0, D, torch.int8), part(D, D, torch.int8)
+    ks, vs = part(2 * D, 2 * ng, torch.int16), part(2 * D + 2 * ng, 2 * ng, torch.int16)
+    rc = part(2 * D + 4 * ng, rb, rho.dtype)
+    for b in range(B):
+        for j in range(N):
+            blk, off = int(table[b, j // bs]), j % bs
+            kc[blk, :, off], vc[blk, :, off] = kq.codes[b, :, j], vq.codes[b, :, j]
+            ks[blk, :, off], vs[blk, :, off] = kq.scales[b, :, j].view(torch.int16), vq.scales[b, :, j].view(torch.int16)
+            rc[blk, :, off] = rho[b, :, j]
+    q = torch.randn(B, T, H, D, generator=g).contiguous()
+    qpos = (N - T + torch.arange(T, dtype=torch.int32)).view(1, T).expand(B, T).contiguous()
+    b64 = fast.rope_bands(D, NB).to(torch.int64).contiguous()
+    lut = _log_table("cpu").to(torch.float32).contiguous() if u8 else None
+    flat = [cpu_fused.seg(Hkv, N, k=kq.codes, v=vq.codes, k_scales=kq.scales, v_scales=vq.scales, rho=rho), cpu_fused.seg(Hkv, 0)]
+    paged = [cpu_fused.paged_seg(N, k=kc, v=vc, k_scales=ks, v_scales=vs, rho=rc, table=table, k_transposed=False),
+             cpu_fused.seg(Hkv, 0)]
+    assert paged[0]["ng"] == flat[0]["ng"] == (ng, ng)
+    for sc in (False, True):
+        want = cpu_fused._run(q, qpos, flat, D ** -0.5, b64, ng, ng, case["certify"], lut=lut, scalar=sc)
+        got = cpu_fused._run(q, qpos, paged, D ** -0.5, b64, ng, ng, case["certify"], lut=lut, scalar=sc)
+        rep = f"scalar={sc} ng={ng} u8={u8} case {json.dumps(case)}"
+        assert torch.equal(got[0], want[0]), "output differs: " + rep
+        assert torch.equal(got[1], want[1]), "stats differ: " + rep
+
+
+def test_paged_codes_refused_without_scales_or_transposed():
+    """int8 codes in a paged cache need both scales and the untransposed key layout; scales need codes."""
+    kc, vc = torch.zeros(4, 1, 8, 64, dtype=torch.int8), torch.zeros(4, 1, 8, 64, dtype=torch.int8)
+    sc = torch.ones(4, 1, 8, 1, dtype=torch.float16)
+    ok = torch.tensor([[0, 1]], dtype=torch.int32)
+    cpu_fused.paged_seg(16, k=kc, v=vc, k_scales=sc, v_scales=sc, rho=None, table=ok, k_transposed=False)
+    for kw in (dict(k_scales=sc), dict(k_scales=sc, v_scales=sc, k_transposed=True)):
+        with pytest.raises(ValueError, match="int8 codes"):
+            cpu_fused.paged_seg(16, k=kc, v=vc, rho=None, table=ok, **{"k_transposed": False, **kw})
+    with pytest.raises(ValueError, match="only with int8 codes"):
+        cpu_fused.paged_seg(16, k=kc.float(), v=vc.float(), k_scales=sc, v_scales=sc, rho=None, table=ok, k_transposed=False)
+    with pytest.raises(ValueError, match="do not divide"):
+        s3 = torch.ones(4, 1, 8, 3, dtype=torch.float16)
+        cpu_fused.paged_seg(16, k=kc, v=vc, k_scales=s3, v_scales=s3, rho=None, table=ok, k_transposed=False)

@@ -475,26 +475,33 @@ def _asym_seg(Hkv, n, c, keep, k, v, k_scales, v_scales, ka, va, rho, valid, exa
     return _witness_and_flags(c, keep, B, Hkv, n, rho, valid, exact, pos)
 
 
-def paged_seg(n, *, k, v, rho, table, k_transposed):
-    """A segment read in place from a paged cache (vLLM's CPU layout): fp32 k [num_blocks, Hkv, D, bs]
-    (k_transposed) or [num_blocks, Hkv, bs, D], v [num_blocks, Hkv, bs, D], rho fp32 [num_blocks, Hkv, bs, NB]
-    or None; each (block, head) slab contiguous; table int32 [B, >= ceil(n / bs)] the blocks of each sequence
-    (checked against num_blocks: the kernel trusts it). Tokens 0..n-1 of sequence b are its positions.
-    The cache tensors' checks depend only on their dtypes, shapes and strides: memoized on those (and
-    the data pointers), a serving loop pays them once per cache, the table check every call."""
+def paged_seg(n, *, k, v, rho, table, k_transposed, k_scales=None, v_scales=None):
+    """A segment read in place from a paged cache: fp32 k [num_blocks, Hkv, D, bs] (k_transposed: vLLM's CPU
+    layout) or [num_blocks, Hkv, bs, D], v [num_blocks, Hkv, bs, D]; or int8 codes k, v [num_blocks, Hkv, bs, D]
+    with their fp16 (or int16-viewed) scales k_scales, v_scales [num_blocks, Hkv, bs, ng] (kvcert's packed vLLM
+    cache: fast.integrations.vllm); rho fp32 or uint8 log codes [num_blocks, Hkv, bs, NB] or None. Each
+    (block, head) slab of each tensor holds its bs rows contiguously (rows of X elements at stride X); table int32
+    [B, >= ceil(n / bs)] the blocks of each sequence (checked against num_blocks: the kernel trusts it).
+    Tokens 0..n-1 of sequence b are its positions. The cache tensors' checks depend only on their dtypes,
+    shapes and strides: memoized on those (and the data pointers), a serving loop pays them once per cache,
+    the table check every call."""
     if not isinstance(v, torch.Tensor) or v.dim() != 4 or min(v.shape) < 1:
-        raise ValueError(f"v: fp32 [num_blocks, Hkv, bs, D], got {getattr(v, 'shape', v)}")
+        raise ValueError(f"v: [num_blocks, Hkv, bs, D], got {getattr(v, 'shape', v)}")
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"paged_seg: n must be an integer >= 0, got {n!r}")
     nb, Hkv, bs = v.shape[0], v.shape[1], v.shape[2]
     _check_head_dim(v.shape[3])
     if n == 0:
         return {"Hkv": Hkv, "c": _Seg()}
-    for name, t in (("k", k), ("rho", rho), ("table", table)):
-        if (t is not None or name != "rho") and not isinstance(t, torch.Tensor):
+    for name, t in (("k", k), ("rho", rho), ("table", table), ("k_scales", k_scales), ("v_scales", v_scales)):
+        if (t is not None or name in ("k", "table")) and not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}: expected a tensor, got {type(t).__name__}")
-    base = _paged_base(*(None if t is None else (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.device.type)
-                         for t in (k, v, rho)), bool(k_transposed))
+    if k_scales is not None:
+        k_scales = k_scales.view(torch.int16) if k_scales.dtype == torch.float16 else k_scales
+    if v_scales is not None:
+        v_scales = v_scales.view(torch.int16) if v_scales.dtype == torch.float16 else v_scales
+    meta = lambda t: None if t is None else (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.device.type)
+    base = _paged_base(*(meta(t) for t in (k, v, rho, k_scales, v_scales)), bool(k_transposed))
     c = _Seg.from_buffer_copy(base)
     c.n = n
     need = -(-n // bs)
@@ -505,30 +512,46 @@ def paged_seg(n, *, k, v, rho, table, k_transposed):
     if int(lo) < 0 or int(hi) >= nb:
         raise ValueError(f"table: block ids must lie in [0, {nb})")
     c.table, c.tb_sb = table.data_ptr(), table.stride(0)
-    return {"Hkv": Hkv, "c": c, "k": k, "v": v, "rho": rho, "table": table, "B": table.shape[0], "D": v.shape[3], "ng": (1, 1),
-            "NB": None if rho is None else rho.shape[3]}
+    ng = (k_scales.shape[3], v_scales.shape[3]) if base.coded else (1, 1)
+    return {"Hkv": Hkv, "c": c, "k": k, "v": v, "rho": rho, "table": table, "ks": k_scales, "vs": v_scales,
+            "B": table.shape[0], "D": v.shape[3], "ng": ng, "NB": None if rho is None else rho.shape[3]}
 
 
 @functools.lru_cache(maxsize=64)
-def _paged_base(k, v, rho, k_transposed):
-    """The _Seg fields of a paged cache from (data_ptr, dtype, shape, stride) of k, v, rho (rho may be None),
-    after paged_seg's checks; n and the table are the caller's."""
+def _paged_base(k, v, rho, ks, vs, k_transposed):
+    """The _Seg fields of a paged cache from (data_ptr, dtype, shape, stride, device) of k, v, rho, k_scales,
+    v_scales (rho and the scales may be None), after paged_seg's checks; n and the table are the caller's."""
     nb, Hkv, bs, D = v[2]
     c = _Seg()
+    coded = v[1] == torch.int8
+    if coded and (k_transposed or ks is None or vs is None):
+        raise ValueError("int8 codes: k [num_blocks, Hkv, bs, D] (not transposed) with k_scales and v_scales")
+    if not coded and (ks is not None or vs is not None):
+        raise ValueError("k_scales / v_scales: only with int8 codes")
     want_k = (nb, Hkv, D, bs) if k_transposed else (nb, Hkv, bs, D)
-    for name, t, shape in (("k", k, want_k), ("v", v, (nb, Hkv, bs, D)), ("rho", rho, (nb, Hkv, bs, None))):
+    rows = (torch.int8,) if coded else (torch.float32,)
+    rows_what = "int8 codes" if coded else "fp32"
+    for name, t, shape, dtypes in (("k", k, want_k, rows), ("v", v, (nb, Hkv, bs, D), rows),
+                                   ("rho", rho, (nb, Hkv, bs, None), (torch.float32, torch.uint8)),
+                                   ("ks", ks, (nb, Hkv, bs, None), (torch.int16,)), ("vs", vs, (nb, Hkv, bs, None), (torch.int16,))):
         if t is None:
             continue
         ptr, dtype, tshape, st, dev = t
-        if (dtype != torch.float32 or dev != "cpu" or len(tshape) != 4 or tshape[3] < 1
+        if (dtype not in dtypes or dev != "cpu" or len(tshape) != 4 or tshape[3] < 1
                 or any(w is not None and x != w for x, w in zip(tshape, shape))):
-            raise ValueError(f"{name}: fp32 {shape} on the CPU (None: any), got {dtype} {tshape} on {dev}")
+            what = {"k": rows_what, "v": rows_what, "rho": "fp32 or uint8", "ks": "fp16 scales", "vs": "fp16 scales"}[name]
+            raise ValueError(f"{name}: {what} {shape} on the CPU (None: any), got {dtype} {tshape} on {dev}")
         if st[3] != 1 or st[2] != tshape[3]:
-            raise ValueError(f"{name}: each (block, head) slab must be contiguous")
-        field = {"k": "k", "v": "v", "rho": "r"}[name]
+            raise ValueError(f"{name}: each (block, head) slab must hold its rows contiguously")
+        if name in ("ks", "vs") and D % tshape[3]:
+            raise ValueError(f"{name}: {tshape[3]} scale groups do not divide the head size {D}")
+        field = {"k": "k", "v": "v", "rho": "r", "ks": "ks", "vs": "vs"}[name]
         setattr(c, name, ptr)
         setattr(c, field + "_sb", st[0])
         setattr(c, field + "_sh", st[1])
+    if rho is not None:
+        c.rho_u8 = int(rho[1] == torch.uint8)
+    c.coded = int(coded)
     c.bs, c.k_t = bs, int(k_transposed)
     c.bs_log2 = bs.bit_length() - 1 if bs & (bs - 1) == 0 else -1
     return c

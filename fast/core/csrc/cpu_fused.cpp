@@ -152,9 +152,10 @@ struct Seg {
     int64_t n;
     int coded;  // integer codes + fp16 scales (int8, or int4: see int4); else fp32 rows
     int rho_u8;
-    // paged (bs > 0; fp32 rows, k / v / rho only): token j of sequence b lives in block table[b * tb_sb + j / bs]
-    // at slot j % bs; the *_sb strides are then per block. k_t: keys stored transposed per block, [D, bs]
-    // (vLLM's CPU cache); values and witness rows stay [bs, D] / [bs, NB].
+    // paged (bs > 0; fp32 rows or symmetric codes with their scales, and the witness; no valid / exact / pos): token j
+    // of sequence b lives in block table[b * tb_sb + j / bs] at slot j % bs; the *_sb strides are then per block.
+    // k_t: fp32 keys stored transposed per block, [D, bs] (vLLM's CPU cache); values, codes, scales and witness rows
+    // stay [bs, X].
     const int32_t* table; int64_t tb_sb;
     int64_t bs;
     int k_t;
@@ -341,12 +342,12 @@ inline const float* seg_row(const Seg& sg, bool values, int64_t b, int64_t h, in
         return r;
     }
     if (values ? sg.vasym : sg.kasym) return asym_row(sg, values, b, h, jj, D, ng, buf, smax);
-    const uint16_t* sc = values ? sg.vs + b * sg.vs_sb + h * sg.vs_sh + jj * ng : sg.ks + b * sg.ks_sb + h * sg.ks_sh + jj * ng;
+    const uint16_t* sc = values ? sg.vs + row_off(sg, sg.vs_sb, sg.vs_sh, b, h, jj, ng) : sg.ks + row_off(sg, sg.ks_sb, sg.ks_sh, b, h, jj, ng);
     const int64_t gw = D / ng;
     if (sg.int4) {
         // packed 4-bit codes, two per byte: channel d is nibble d % 2 (0: low) of byte d / 2; k~ = (nibble - 8) * scale,
         // exact in fp32 (4-bit code, 11-bit fp16 scale): fast.core.quant.dequantize's value, bit for bit
-        const uint8_t* code = (const uint8_t*)base + b * sb + h * sh + jj * (D / 2);
+        const uint8_t* code = (const uint8_t*)base + row_off(sg, sb, sh, b, h, jj, D / 2);
         for (int64_t g = 0; g < ng; ++g) {
             const float sv = half_to_float(sc[g]);
             int64_t d = g * gw;
@@ -373,7 +374,7 @@ inline const float* seg_row(const Seg& sg, bool values, int64_t b, int64_t h, in
         }
         return buf;
     }
-    const int8_t* code = (const int8_t*)base + b * sb + h * sh + jj * D;
+    const int8_t* code = (const int8_t*)base + row_off(sg, sb, sh, b, h, jj, D);
     for (int64_t g = 0; g < ng; ++g) {
         const float sv = half_to_float(sc[g]);
         int64_t d = g * gw;
