@@ -69,6 +69,7 @@ bench: install
 	$(PY) -m benchmarks.harm_study
 	$(PY) -m benchmarks.vllm_bench
 	$(PY) -m benchmarks.vllm_tight
+	$(PY) -m benchmarks.vllm_capacity
 	$(PY) -m spec.readme --write
 
 # The evaluation tables only (eviction, quantization, pre-RoPE, harm study): about 3 hours on 2 CPU cores.

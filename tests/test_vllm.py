@@ -282,12 +282,14 @@ def test_request_tau_is_checked():
         request_tau({"kvcert_tau": 0.1}, Config({"KVCERT_VLLM": "1"}))
 
 
-def test_vllm_fault_is_flagged_and_repaired(tiny):
+@pytest.mark.parametrize("codec", ["fp8_e4m3", "int8"])
+def test_vllm_fault_is_flagged_and_repaired(tiny, codec):
     """property (issue 21's silent failure): keys stored times 0.1 after the cast (a wrong scale,
-    KVCERT_FAULT) are flagged by the certificate (bound before the gate near 1, never below the true
-    TV from the exact keys) and the gate serves the flagged heads exactly; mutation: the witness taken
-    before the fault would certify the faulty keys as fine and fail the first assertion."""
-    llm = _engine(tiny, codec="fp8_e4m3", shadow=True, gate="certified:0.2", fault="key_scale:0.1")
+    KVCERT_FAULT; int8: the wrong scale written into vLLM's packed page) are flagged by the certificate
+    (bound before the gate near 1, never below the true TV from the exact keys) and the gate serves the
+    flagged heads exactly; mutation: the witness taken before the fault would certify the faulty keys as
+    fine and fail the first assertion."""
+    llm = _engine(tiny, codec=codec, shadow=True, gate="certified:0.2", fault="key_scale:0.1")
     _generate(llm, n=8)
     parts = collect(llm)
     del llm
@@ -343,6 +345,9 @@ def test_vllm_int8_box_form_is_sound_and_tighter(tiny):
         llm = _engine(tiny, codec="int8", shadow=True, box=box, num_gpu_blocks_override=9)
         outs = _generate(llm, n=8)
         parts = collect(llm)
+        if not box:  # the packed page decodes to fast.core.quant's int8 of every exact key and value written
+            ((checked, bad),) = llm.collective_rpc("kvcert_check_store")
+            assert checked > 500 and bad == 0, (checked, bad)
         del llm
         recs = [r for p in parts for r in p["records"]]
         tv, bound = _cat(recs, "true_tv"), _cat(recs, "bound")
@@ -359,6 +364,30 @@ def test_vllm_int8_box_form_is_sound_and_tighter(tiny):
     del llm
     assert [list(o.outputs[0].token_ids) for o in served] == [list(o.outputs[0].token_ids) for o in runs[True][0]]
     assert all(o.kvcert["repairs"] == 0 and o.kvcert["reads"] > 0 for o in served)
+
+
+def test_vllm_int8_owns_the_cache_bytes(tiny):
+    """KVCERT_CODEC=int8 packs codes, scales and witness into vLLM's own paged cache: vLLM's block count at a
+    fixed KV budget is the budget over the packed page (2 layers x 2 KV heads x 32 slots x packed_row_bytes),
+    3.66x the blocks of K and V at fp32 (3.88x without certificates: no witness bytes), every byte of vLLM's
+    cache is the packed page and kvcert holds nothing beside it (no gate, no shadow); KVCERT_CERTIFY=0 reads
+    the same codes with the same kernel: the same tokens as the certified engine, and no certificate."""
+    from vllm import SamplingParams
+    from fast.integrations.vllm import packed_row_bytes
+    budget, outs = 8 << 20, {}
+    assert packed_row_bytes(64, 8) == 140 and packed_row_bytes(64, 8, certify=False) == 132
+    for certify in (True, False):
+        llm = _engine(tiny, codec="int8", certify=certify, kv_cache_memory_bytes=budget)
+        cc = llm.llm_engine.vllm_config.cache_config
+        page = 2 * 2 * 32 * packed_row_bytes(64, 8, certify)
+        assert cc.num_gpu_blocks == budget // page and cc.num_gpu_blocks > 3.6 * budget // (2 * 2 * 32 * 2 * 64 * 4)
+        outs[certify] = generate(llm, [{"prompt_token_ids": p} for p in PROMPTS],
+                                 SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        (mem,) = llm.collective_rpc("kvcert_memory")
+        assert mem["vllm_cache_bytes"] == cc.num_gpu_blocks * page and mem["kvcert_bytes"] == 0, mem
+        del llm
+    assert [o.outputs[0].token_ids for o in outs[True]] == [o.outputs[0].token_ids for o in outs[False]]
+    assert all(o.kvcert["reads"] > 0 for o in outs[True]) and all(o.kvcert is None for o in outs[False])
 
 
 @pytest.mark.parametrize("kw, msg", [

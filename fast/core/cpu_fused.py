@@ -209,9 +209,15 @@ def _check_run(q, qpos, segs, s, bands, ngk, ngv, certify, lut):
     if not (isinstance(bands, torch.Tensor) and bands.dtype == torch.int64 and bands.dim() == 2 and bands.is_contiguous()
             and bands.device.type == "cpu" and min(bands.shape) >= 1):
         raise ValueError("bands: int64 contiguous CPU [NB, W]")
-    lo, hi = torch.aminmax(bands)
-    if int(lo) < 0 or int(hi) >= D:
-        raise ValueError(f"bands: coordinate indices must lie in [0, {D})")
+    key = (bands.data_ptr(), bands._version, D)
+    seen = _BANDS_OK.get(id(bands))
+    if seen is None or seen[0] is not bands or seen[1] != key:  # the index check once per bands tensor and version
+        lo, hi = torch.aminmax(bands)
+        if int(lo) < 0 or int(hi) >= D:
+            raise ValueError(f"bands: coordinate indices must lie in [0, {D})")
+        if len(_BANDS_OK) > 256:
+            _BANDS_OK.clear()
+        _BANDS_OK[id(bands)] = (bands, key)  # the tensor itself is kept: its id cannot pass to another
     NB = bands.shape[0]
     if certify and n0:
         if segs[0]["NB"] is None:
@@ -224,6 +230,9 @@ def _check_run(q, qpos, segs, s, bands, ngk, ngv, certify, lut):
     if isinstance(s, bool) or not isinstance(s, (int, float)) or not (math.isfinite(s) and s > 0):
         raise ValueError(f"s: a finite real number > 0, got {s!r}")
     return B, T, H, D, NB
+
+
+_BANDS_OK = {}  # id(bands) -> (bands, (data_ptr, version, D)) of a bands tensor whose indices were checked
 
 
 def _chunk(N):
@@ -475,7 +484,7 @@ def _asym_seg(Hkv, n, c, keep, k, v, k_scales, v_scales, ka, va, rho, valid, exa
     return _witness_and_flags(c, keep, B, Hkv, n, rho, valid, exact, pos)
 
 
-def paged_seg(n, *, k, v, rho, table, k_transposed, k_scales=None, v_scales=None):
+def paged_seg(n, *, table, k=None, v=None, rho=None, k_transposed=None, k_scales=None, v_scales=None, base=None):
     """A segment read in place from a paged cache: fp32 k [num_blocks, Hkv, D, bs] (k_transposed: vLLM's CPU
     layout) or [num_blocks, Hkv, bs, D], v [num_blocks, Hkv, bs, D]; or int8 codes k, v [num_blocks, Hkv, bs, D]
     with their fp16 (or int16-viewed) scales k_scales, v_scales [num_blocks, Hkv, bs, ng] (kvcert's packed vLLM
@@ -484,37 +493,46 @@ def paged_seg(n, *, k, v, rho, table, k_transposed, k_scales=None, v_scales=None
     [B, >= ceil(n / bs)] the blocks of each sequence (checked against num_blocks: the kernel trusts it).
     Tokens 0..n-1 of sequence b are its positions. The cache tensors' checks depend only on their dtypes,
     shapes and strides: memoized on those (and the data pointers), a serving loop pays them once per cache,
-    the table check every call."""
-    if not isinstance(v, torch.Tensor) or v.dim() != 4 or min(v.shape) < 1:
-        raise ValueError(f"v: [num_blocks, Hkv, bs, D], got {getattr(v, 'shape', v)}")
+    the table check every call. base: paged_base(...)'s result in place of the cache tensors (a serving loop
+    keeps it per cache tensor and skips even the memo's key)."""
+    if base is None:
+        base = paged_base(k=k, v=v, rho=rho, k_transposed=k_transposed, k_scales=k_scales, v_scales=v_scales)
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"paged_seg: n must be an integer >= 0, got {n!r}")
+    if n == 0:
+        return {"Hkv": base["Hkv"], "c": _Seg()}
+    c = _Seg.from_buffer_copy(base["c"])
+    c.n = n
+    need = -(-n // base["bs"])
+    if (not isinstance(table, torch.Tensor) or table.dtype != torch.int32 or table.dim() != 2 or table.shape[0] < 1
+            or table.shape[1] < need or table.stride(1) != 1 or table.device.type != "cpu"):
+        raise ValueError(f"table: int32 [B, >= {need}] with unit stride on the CPU, got {getattr(table, 'dtype', table)} "
+                         f"{tuple(getattr(table, 'shape', ()))}")
+    lo, hi = torch.aminmax(table[:, :need])
+    if int(lo) < 0 or int(hi) >= base["nb"]:
+        raise ValueError(f"table: block ids must lie in [0, {base['nb']})")
+    c.table, c.tb_sb = table.data_ptr(), table.stride(0)
+    return {**base, "c": c, "table": table, "B": table.shape[0]}
+
+
+def paged_base(*, k, v, rho, k_transposed, k_scales=None, v_scales=None):
+    """paged_seg's checks of the cache tensors, once: a dict for paged_seg(base=...) that keeps them alive."""
+    if not isinstance(v, torch.Tensor) or v.dim() != 4 or min(v.shape) < 1:
+        raise ValueError(f"v: [num_blocks, Hkv, bs, D], got {getattr(v, 'shape', v)}")
     nb, Hkv, bs = v.shape[0], v.shape[1], v.shape[2]
     _check_head_dim(v.shape[3])
-    if n == 0:
-        return {"Hkv": Hkv, "c": _Seg()}
-    for name, t in (("k", k), ("rho", rho), ("table", table), ("k_scales", k_scales), ("v_scales", v_scales)):
-        if (t is not None or name in ("k", "table")) and not isinstance(t, torch.Tensor):
+    for name, t in (("k", k), ("rho", rho), ("k_scales", k_scales), ("v_scales", v_scales)):
+        if (t is not None or name == "k") and not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}: expected a tensor, got {type(t).__name__}")
     if k_scales is not None:
         k_scales = k_scales.view(torch.int16) if k_scales.dtype == torch.float16 else k_scales
     if v_scales is not None:
         v_scales = v_scales.view(torch.int16) if v_scales.dtype == torch.float16 else v_scales
     meta = lambda t: None if t is None else (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.device.type)
-    base = _paged_base(*(meta(t) for t in (k, v, rho, k_scales, v_scales)), bool(k_transposed))
-    c = _Seg.from_buffer_copy(base)
-    c.n = n
-    need = -(-n // bs)
-    if (table.dtype != torch.int32 or table.dim() != 2 or table.shape[0] < 1 or table.shape[1] < need or table.stride(1) != 1
-            or table.device.type != "cpu"):
-        raise ValueError(f"table: int32 [B, >= {need}] with unit stride on the CPU, got {table.dtype} {tuple(table.shape)}")
-    lo, hi = torch.aminmax(table[:, :need])
-    if int(lo) < 0 or int(hi) >= nb:
-        raise ValueError(f"table: block ids must lie in [0, {nb})")
-    c.table, c.tb_sb = table.data_ptr(), table.stride(0)
-    ng = (k_scales.shape[3], v_scales.shape[3]) if base.coded else (1, 1)
-    return {"Hkv": Hkv, "c": c, "k": k, "v": v, "rho": rho, "table": table, "ks": k_scales, "vs": v_scales,
-            "B": table.shape[0], "D": v.shape[3], "ng": ng, "NB": None if rho is None else rho.shape[3]}
+    c = _paged_base(*(meta(t) for t in (k, v, rho, k_scales, v_scales)), bool(k_transposed))
+    ng = (k_scales.shape[3], v_scales.shape[3]) if c.coded else (1, 1)
+    return {"Hkv": Hkv, "c": c, "k": k, "v": v, "rho": rho, "ks": k_scales, "vs": v_scales, "nb": nb, "bs": bs,
+            "D": v.shape[3], "ng": ng, "NB": None if rho is None else rho.shape[3]}
 
 
 @functools.lru_cache(maxsize=64)

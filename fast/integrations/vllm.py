@@ -9,6 +9,13 @@ backend is replaced by KVCertBackend, whose impl
   exactly what is stored (cpu_fused.paged_witness, in place), per cache slot: rho [num_blocks, Hkv, block_size, NB], a side tensor
   mirroring the paged cache, rewritten whenever the slot is (block reuse, prefix caching,
   preemption and recompute stay right);
+  KVCERT_CODEC=int8 instead owns the cache bytes: KVCertBackend.customize_spec (vLLM's hook for a backend's
+  own page packing) makes each (slot, KV head) of vLLM's paged cache hold int8 key and value codes, their fp16
+  scales and the witness's uint8 log codes (packed_row_bytes: 140 bytes for D = 64, 8 bands, against 512 for
+  K and V at fp32), so vLLM's block count, capacity and memory accounting see the compressed bytes, and
+  do_kv_cache_update writes codes, scales and the witness of the exact key against the decoded code in place
+  (packed_views); vLLM's own kernel never reads that page (KVCERT_CERTIFY=0 reads it with the fused kernel,
+  without certificates);
 - forward: every query row of every request that reads the cache (decode, prefill, chunked prefill,
   mixed batches) is read by the fused C++ read IN PLACE from vLLM's paged cache (fast.core.cpu_fused
   paged_seg: the block table, keys [D, bs] per block; the torch twin fast.core.attention.attention_rows
@@ -44,8 +51,9 @@ Online serving (`vllm serve`): the same switch; two documented vLLM extension po
 
 Configuration (environment, read in every process; workers inherit it):
   KVCERT_VLLM=1            enable the plugin
-  KVCERT_CODEC             fp8_e4m3 (default) | fp8_e5m2 | int8 (one fp16 scale per token and KV head) |
-                           none (an exact fp32 cache); every codec stored decoded in vLLM's fp32 cache
+  KVCERT_CODEC             fp8_e4m3 (default) | fp8_e5m2 | int8 (one fp16 scale per token and KV head, packed in
+                           vLLM's own page: 3.66x the fp32 cache's tokens per byte) | none (an exact fp32 cache);
+                           fp8 and none are stored decoded in vLLM's fp32 cache (no memory saved)
   KVCERT_GATE              none (default) | certified:TAU
   KVCERT_SHADOW=1          also the true TV per (row, head) (needs the exact side store)
   KVCERT_CERTIFY=0         the codec without certificates (the speed baseline)
@@ -87,7 +95,7 @@ from fast.core.attention import attention_rows  # the torch twin: where the fuse
 from fast.core.certify import logit_rounding, with_other_logits
 from fast.core.quant import dequantize, quantize
 from fast.core.rope import rope_bands
-from fast.core.witness import witness
+from fast.core.witness import _log_table, pack_witness, unpack_witness, witness
 from fast.integrations import vllm_fp8
 from fast.policies.gate import parse_gate
 
@@ -157,11 +165,55 @@ class Config:
     def exact_store(self):
         return self.gate.kind == "certified" or self.shadow
 
+    @property
+    def packed(self):
+        """int8: the codes, scales and witness live in vLLM's own paged cache (packed_views), not decoded."""
+        return self.codec == "int8"
+
     def side_bytes_per_slot(self, head_size):
-        """kvcert's bytes per (cache slot, KV head): the witness (NB fp32) and the exact store (K and V fp32)."""
+        """kvcert's bytes per (cache slot, KV head) outside vLLM's cache: the witness (NB fp32; none when packed:
+        it is in the page) and the exact store (K and V fp32)."""
         if not self.certify:
             return 0
-        return 4 * self.bands + (2 * 4 * head_size if self.exact_store else 0)
+        return (0 if self.packed else 4 * self.bands) + (2 * 4 * head_size if self.exact_store else 0)
+
+    def cache_bytes_per_slot(self, head_size, itemsize=4):
+        """vLLM's cache bytes per (slot, KV head): K and V at the model's dtype, or the packed int8 page."""
+        return packed_row_bytes(head_size, self.bands, self.certify) if self.packed else 2 * head_size * itemsize
+
+
+def packed_row_bytes(D, NB, certify=True):
+    """Bytes per (cache slot, KV head) of the packed int8 page (KVCERT_CODEC=int8): key and value codes (D bytes
+    each), their fp16 scales (2 bytes each), the witness's uint8 log codes (NB bytes; none without certificates),
+    padded to a multiple of 4 (vLLM views the page at the model's fp32)."""
+    return -(-(2 * D + 4 + (NB if certify else 0)) // 4) * 4
+
+
+def packed_views(kv_cache, D, NB):
+    """The parts of the packed int8 page (vLLM's cache tensor [num_blocks, Hkv, bs, C] at fp32, C = packed_row_bytes
+    / 4; each (block, KV head) slab of bs C 4 bytes contiguous): per slab, one after the other, key codes [bs, D],
+    value codes [bs, D] (int8), key scales [bs, 1], value scales [bs, 1] (fp16 bits as int16), witness [bs, NB]
+    (uint8 log codes, fast.core.witness.pack_witness; NB = 0: none). Returns (kc, vc, ks, vs, rho) views
+    [num_blocks, Hkv, bs, X] into the cache: writing them writes vLLM's blocks, so block reuse, prefix caching,
+    preemption and vLLM's block copies carry the scales and the witness with the codes."""
+    nb, hkv, bs, c = kv_cache.shape
+    slab = kv_cache.view(torch.uint8).view(nb, hkv, bs * c * kv_cache.element_size())
+    if slab.shape[2] < bs * (2 * D + 4 + NB):
+        raise ValueError(f"kvcert: the cache page holds {slab.shape[2] // bs} bytes per slot, the packed int8 page needs "
+                         f"{2 * D + 4 + NB} (is the KVCertBackend's customize_spec in force?)")
+    part = lambda off, width, dt: slab[:, :, off * bs:(off + width) * bs].view(dt).view(nb, hkv, bs, -1)
+    rho = part(2 * D + 4, NB, torch.uint8) if NB else None
+    return (part(0, D, torch.int8), part(D, D, torch.int8), part(2 * D, 2, torch.int16), part(2 * D + 2, 2, torch.int16), rho)
+
+
+def int8_codes(x):
+    """x [n, Hkv, D] -> (codes int8 [n, Hkv, D], scales fp16 [n, Hkv, 1]): fast.core.quant's int8 with one scale per
+    (token, KV head) (_cast's values: codes * scales). A (token, head) holding NaN/Inf gets a NaN scale, so
+    that its decoded row is NaN and the certified read refuses it."""
+    bad = ~torch.isfinite(x).all(-1, keepdim=True)
+    qt = quantize(x.float().masked_fill(bad, 0.0).permute(1, 0, 2)[None], "int8", group_size=x.shape[-1])
+    codes, scales = qt.codes[0].permute(1, 0, 2), qt.scales[0].permute(1, 0, 2)
+    return codes, scales.masked_fill(bad, float("nan"))
 
 
 def parse_fault(text, name="KVCERT_FAULT"):
@@ -391,8 +443,10 @@ def _backend_classes():
             if self.sliding_window not in (None, -1):
                 raise ValueError(f"kvcert: sliding-window attention (window {self.sliding_window}) is not supported")
             self.cfg = cfg
+            self.packed = cfg.packed
             self.band_idx = rope_bands(head_size, cfg.bands)
             self.kv_ref = None
+            self.ready = False
             self.rho = None  # [num_blocks, Hkv, bs, NB] fp32: the witness of each cache slot
             self.exact_k = self.exact_v = None  # [num_blocks, Hkv, bs, D] fp32 (gate / shadow)
             STATE.impls.append(self)
@@ -409,6 +463,55 @@ def _backend_classes():
             self._view_of = (kv_cache, (halves[:, :, 0].view(nb, hkv, D, bs), halves[:, :, 1].view(nb, hkv, bs, D)))
             return self._view_of[1]
 
+        def _packed(self, kv_cache):
+            """(kc, vc, ks, vs, rho) views of the packed int8 page (packed_views); memoized per cache tensor."""
+            got = getattr(self, "_packed_of", None)
+            if got is not None and got[0] is kv_cache:
+                return got[1]
+            self._packed_of = (kv_cache, packed_views(kv_cache, self.head_size, self.cfg.bands if self.cfg.certify else 0))
+            return self._packed_of[1]
+
+        def _stored(self, kv_cache, blocks, N):
+            """(k, v) [Hkv, N, D] fp32 as the cache holds them (decoded when packed) for one request's blocks."""
+            if self.packed:
+                kc, vc, ks, vs, _ = self._packed(kv_cache)
+                dec = lambda c, sc: self._gather(c, blocks, N).float() * self._gather(sc.view(torch.float16), blocks, N).float()
+                return dec(kc, ks), dec(vc, vs)
+            kt, vv = self._views(kv_cache)
+            k = kt[blocks].permute(1, 0, 3, 2).reshape(self.num_kv_heads, -1, self.head_size)[:, :N]
+            return k, self._gather(vv, blocks, N)
+
+        def _witness_of(self, kv_cache, blocks, N):
+            """The witness [Hkv, N, NB] fp32 of one request's blocks."""
+            if self.packed:
+                return unpack_witness(self._gather(self._packed(kv_cache)[4], blocks, N))
+            return self._gather(self.rho, blocks, N)
+
+        def _write_packed(self, key, value, kv_cache, slot_mapping):
+            """Quantize keys and values [n, Hkv, D] (int8_codes) into the packed page at slot_mapping (< 0: skipped),
+            and the witness of each exact key against exactly the key the page now decodes to (the fault, if any,
+            applied to the stored scale: a wrong scale)."""
+            ok = slot_mapping >= 0
+            slots, k, v = slot_mapping[ok], key[ok].float(), value[ok].float()
+            kc, vc, ks, vs, rc = self._packed(kv_cache)
+            bs = kc.shape[2]
+            blk, off = slots // bs, slots % bs
+            Hkv = k.shape[1]
+            code, scale = int8_codes(torch.cat([k, v], 1))  # one quantize call for both: per (token, head) all the same
+            kcode, vcode, kscale, vscale = code[:, :Hkv], code[:, Hkv:], scale[:, :Hkv], scale[:, Hkv:]
+            if self.cfg.fault is not None:  # KVCERT_FAULT: a faulty quantizer (demos, tests): a wrong key scale
+                kscale = (kscale.float() * self.cfg.fault).half()
+            kc[blk, :, off], vc[blk, :, off] = kcode, vcode
+            ks[blk, :, off], vs[blk, :, off] = kscale.view(torch.int16), vscale.view(torch.int16)
+            if rc is None:
+                return
+            stored = kcode.float() * kscale.float()  # what the kernel decodes (exact in fp32)
+            fin = (torch.isfinite(k).all(-1) & torch.isfinite(stored).all(-1))[..., None]  # [n, Hkv, 1]
+            rho = witness(k.masked_fill(~fin, 0.0).permute(1, 0, 2)[None], stored.masked_fill(~fin, 0.0).permute(1, 0, 2)[None],
+                          self.band_idx, backend="torch")[0].permute(1, 0, 2)  # [n, Hkv, NB]
+            # a non-finite row: the top code (a vacuous witness); its NaN scale makes the read refuse it anyway
+            rc[blk, :, off] = pack_witness(rho).masked_fill(~fin, 255)
+
         def _lidx(self, layer):
             if getattr(self, "_layer_idx", None) is None:
                 self._layer_idx = _layer_index(layer)  # one impl per layer
@@ -419,8 +522,10 @@ def _backend_classes():
                 raise ValueError(f"kvcert: CPU attention ISA {layer.isa!r} is not supported (needs 'vec': fp32, "
                                  "block size a multiple of 32)")
             nb, hkv, bs, _ = kv_cache.shape
-            self.rho = torch.zeros(nb, hkv, bs, self.cfg.bands, dtype=torch.float32)
-            STATE.kvcert_bytes += self.rho.numel() * 4
+            self.ready = True
+            if not self.packed:  # packed: the witness is in vLLM's page
+                self.rho = torch.zeros(nb, hkv, bs, self.cfg.bands, dtype=torch.float32)
+                STATE.kvcert_bytes += self.rho.numel() * 4
             STATE.vllm_cache_bytes += kv_cache.numel() * kv_cache.element_size()
             if self.cfg.exact_store:
                 self.exact_k = torch.zeros(nb, hkv, bs, self.head_size, dtype=torch.float32)
@@ -438,6 +543,18 @@ def _backend_classes():
             n = slot_mapping.shape[0]
             key, value = key[:n], value[:n]  # [n, Hkv, D]
             codec = self.cfg.codec
+            if self.packed:  # codes, scales and witness into vLLM's own page
+                if not self.ready:
+                    self._alloc(kv_cache, layer)
+                self.kv_ref = kv_cache
+                self._write_packed(key, value, kv_cache, slot_mapping)
+                if self.exact_k is not None:
+                    ok = slot_mapping >= 0
+                    bs = kv_cache.shape[2]
+                    blk, off = slot_mapping[ok] // bs, slot_mapping[ok] % bs
+                    self.exact_k[blk, :, off] = key[ok].float()
+                    self.exact_v[blk, :, off] = value[ok].float()
+                return
             if codec != "none":  # vLLM's fp8 cast (the core's rtz codec), stored decoded in the fp32 cache
                 kq, vq = _cast(key, codec), _cast(value, codec)
             else:
@@ -447,7 +564,7 @@ def _backend_classes():
             super().do_kv_cache_update(layer, kq, vq, kv_cache, slot_mapping)
             if not self.cfg.certify:
                 return
-            if self.rho is None:
+            if not self.ready:
                 self._alloc(kv_cache, layer)
             self.kv_ref = kv_cache
             kt, _ = self._views(kv_cache)
@@ -470,14 +587,18 @@ def _backend_classes():
                 self.exact_v[blk, :, off] = value.float()
 
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
-            if attn_metadata is None or not self.cfg.certify or self.attn_type != AttentionType.DECODER:
+            plain = attn_metadata is None or not self.cfg.certify or self.attn_type != AttentionType.DECODER
+            if plain and not (self.packed and attn_metadata is not None):  # vLLM cannot read the packed page
                 return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
             if not attn_metadata.causal or getattr(attn_metadata, "dynamic_causal", None) is not None:
                 raise ValueError("kvcert: only causal decoder attention is certified (the batch's metadata is not causal)")
-            if self.rho is None:
+            if not self.ready:
                 self._alloc(kv_cache, layer)
+            if not self.cfg.certify:  # packed, KVCERT_CERTIFY=0: the same codes read without certificates
+                self._serve_uncertified(query, kv_cache, attn_metadata, output)
+                return output
             vllm_out = None
-            if self.cfg.shadow:  # vLLM's own kernel too, to compare with what is served
+            if self.cfg.shadow and not self.packed:  # vLLM's own kernel too, to compare with what is served
                 super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
                 n = attn_metadata.num_actual_tokens
                 vllm_out = output[:n].view(n, self.num_heads, self.head_size).float().clone()
@@ -491,15 +612,43 @@ def _backend_classes():
             certificate epilogue left to the caller; else the torch twin over the gathered keys (same contract)
             -> (out, None, cert). The output is what the plugin serves."""
             if cpu_fused.available() and not self.cfg.box:
-                kt, vv = self._views(kv_cache)
-                if getattr(self, "_bands64", None) is None:
-                    self._bands64 = self.band_idx.to(torch.int64).contiguous()
-                s0 = cpu_fused.paged_seg(N, k=kt, v=vv, rho=self.rho, table=table.to(torch.int32), k_transposed=True)
-                qpos = pos.view(1, -1)
-                out, stats = cpu_fused._run(q[None].contiguous(), qpos, [s0, self._empty_seg()], self.scale,
-                                            self._bands64, 1, 1, True, out=out)
-                return out, stats, None
+                return (*self._kernel(q, kv_cache, table, N, pos, out, True), None)
             return self._twin(q, kv_cache, table, N, pos, box_form=self.cfg.box)
+
+        def _kernel(self, q, kv_cache, table, N, pos, out, certify):
+            """The fused C++ read in place from the paged cache (fp32 rows, or the packed int8 page) -> (out, stats)."""
+            if getattr(self, "_bands64", None) is None:
+                self._bands64 = self.band_idx.to(torch.int64).contiguous()
+            table = table.to(torch.int32)
+            got = getattr(self, "_base_of", None)  # the cache tensors' checks once per cache tensor (paged_base)
+            if got is None or got[0] is not kv_cache or got[1] != certify:
+                if self.packed:
+                    kc, vc, ks, vs, rc = self._packed(kv_cache)
+                    base = cpu_fused.paged_base(k=kc, v=vc, k_scales=ks, v_scales=vs, rho=rc if certify else None,
+                                                k_transposed=False)
+                else:
+                    kt, vv = self._views(kv_cache)
+                    base = cpu_fused.paged_base(k=kt, v=vv, rho=self.rho, k_transposed=True)
+                self._base_of = got = (kv_cache, certify, base)
+            s0 = cpu_fused.paged_seg(N, table=table, base=got[2])
+            lut = _log_lut() if self.packed and certify else None
+            return cpu_fused._run(q[None].contiguous(), pos.view(1, -1), [s0, self._empty_seg()], self.scale,
+                                  self._bands64, 1, 1, certify, lut=lut, out=out)
+
+        def _serve_uncertified(self, query, kv_cache, md, output):
+            """The packed int8 page read by the fused kernel without certificates (KVCERT_CERTIFY=0: the speed
+            baseline of the same codes); every request's rows written into vLLM's output."""
+            H, D = self.num_heads, self.head_size
+            n = md.num_actual_tokens
+            qsl, seq = md.query_start_loc.tolist(), md.seq_lens.tolist()
+            q_all, out_all = query[:n].view(n, H, D).float(), output[:n].view(n, H, D)
+            for b in range(len(seq)):
+                t0, t1, N = qsl[b], qsl[b + 1], seq[b]
+                if t1 <= t0 or N <= 0:
+                    continue
+                pos = torch.arange(N - (t1 - t0), N, dtype=torch.int32)
+                out, _ = self._kernel(q_all[t0:t1], kv_cache, md.block_table[b:b + 1], N, pos, None, False)
+                out_all[t0:t1] = out[0].to(out_all.dtype)
 
         def _empty_seg(self):
             if getattr(self, "_seg_none", None) is None:
@@ -510,10 +659,10 @@ def _backend_classes():
             """(out, None, cert) by the torch twin over the gathered blocks. served_by_kernel: the fused
             read's output was served, not this one: the certificate covers its logits too (with_other_logits).
             box_form: the box form (spec T9) in the certificate's min (KVCERT_BOX)."""
-            kt, vv = self._views(kv_cache)
-            blocks = table[0, :(N + kt.shape[3] - 1) // kt.shape[3]].long()
-            k = kt[blocks].permute(1, 0, 3, 2).reshape(self.num_kv_heads, -1, self.head_size)[:, :N]  # [Hkv, N, D] as stored
-            v, rho = self._gather(vv, blocks, N), self._gather(self.rho, blocks, N)
+            bs = kv_cache.shape[2]
+            blocks = table[0, :(N + bs - 1) // bs].long()
+            k, v = self._stored(kv_cache, blocks, N)  # [Hkv, N, D] as stored
+            rho = self._witness_of(kv_cache, blocks, N)
             out, cert = attention_rows(q[None], k[None], v[None], rho[None], self.scale, bands=self.band_idx, q_pos=pos[None],
                                        backend="torch", box_form=box_form)
             if served_by_kernel:  # q: [T, H, D] -> e [1, H] over the rows
@@ -598,8 +747,7 @@ def _backend_classes():
                     e["out"][:, heads] = exact_out[:, heads].to(e["out"].dtype)
                     served[:, heads] = 0.0
                 if cfg.shadow:
-                    kt, _ = self._views(e["kv"])
-                    k = kt[blocks].permute(1, 0, 3, 2).reshape(Hkv, -1, D)[:, :N]  # [Hkv, N, D] as stored
+                    k, _ = self._stored(e["kv"], blocks, N)  # [Hkv, N, D] as stored
                     true_tv = _true_tv(q, ek, k, pos, self.scale, rep)  # [T, H]
             s["rows"] += T
             s["reads"] += T * H
@@ -631,6 +779,18 @@ def _backend_classes():
         @staticmethod
         def get_impl_cls():
             return KVCertImpl
+
+        @classmethod
+        def customize_spec(cls, spec):
+            """vLLM's documented hook for a backend's own page packing: with KVCERT_CODEC=int8 each (slot, KV head)
+            holds packed_row_bytes (codes, scales, witness) instead of K and V at fp32, so vLLM's block
+            count, capacity and memory accounting see the compressed bytes."""
+            spec = super().customize_spec(spec)
+            cfg = config()
+            if not (cfg.enabled and cfg.packed) or spec.state_content_bytes is not None:
+                return spec
+            from dataclasses import replace
+            return replace(spec, state_content_bytes=packed_row_bytes(spec.head_size, cfg.bands, cfg.certify))
 
     return KVCertBackend, KVCertImpl
 
@@ -686,6 +846,16 @@ def flush():
     STATE.pending_layers = set()
     if pend:
         _finish(pend)
+
+
+_LUT = []
+
+
+def _log_lut():
+    """The witness log table, fp32 [256] (the fused read decodes the packed page's uint8 witness with it)."""
+    if not _LUT:
+        _LUT.append(_log_table("cpu").to(torch.float32).contiguous())
+    return _LUT[0]
 
 
 def _cast(x, codec):
@@ -809,7 +979,7 @@ def _kv_budget(worker, budget):
     mc = worker.vllm_config.model_config
     D = mc.get_head_size()
     ours = cfg.side_bytes_per_slot(D)
-    theirs = 2 * D * mc.dtype.itemsize  # K and V per (slot, KV head) in vLLM's cache (kv_cache_dtype auto)
+    theirs = cfg.cache_bytes_per_slot(D, mc.dtype.itemsize)  # per (slot, KV head) in vLLM's cache
     share = budget * theirs // (theirs + ours)
     STATE.memory = {"budget": int(budget), "vllm_share": int(share), "rss_before_kv": _rss()}
     print(f"kvcert: of the KV-cache budget of {budget / 2**30:.3f} GiB, {share / 2**30:.3f} GiB go to vLLM's cache, "
@@ -965,13 +1135,18 @@ class KVCertWorker:
         for impl in STATE.impls:
             if impl.exact_k is None or impl.kv_ref is None:
                 continue
-            kt, vv = impl._views(impl.kv_ref)
             written = impl.exact_k.abs().amax(-1) > 0  # [nb, Hkv, bs]: slots holding a token
-            k_st = kt.permute(0, 1, 3, 2)[written]
-            v_st = vv[written]
             codec = impl.cfg.codec
-            k_mod = impl.exact_k[written] if codec == "none" else vllm_fp8.roundtrip(impl.exact_k[written], codec)
-            v_mod = impl.exact_v[written] if codec == "none" else vllm_fp8.roundtrip(impl.exact_v[written], codec)
+            if impl.packed:  # the page decoded against fast.core.quant's int8 of the exact key (_cast)
+                kc, vc, ks, vs, _ = impl._packed(impl.kv_ref)
+                k_st = (kc.float() * ks.view(torch.float16).float())[written]
+                v_st = (vc.float() * vs.view(torch.float16).float())[written]
+                model = lambda x: _cast(x.view(-1, 1, x.shape[-1]), "int8").view(x.shape)
+            else:
+                kt, vv = impl._views(impl.kv_ref)
+                k_st, v_st = kt.permute(0, 1, 3, 2)[written], vv[written]
+                model = (lambda x: x) if codec == "none" else (lambda x: vllm_fp8.roundtrip(x, codec))
+            k_mod, v_mod = model(impl.exact_k[written]), model(impl.exact_v[written])
             checked += int(written.sum())
             bad += int(((k_st.view(torch.int32) != k_mod.view(torch.int32)).any(-1)
                         | (v_st.view(torch.int32) != v_mod.view(torch.int32)).any(-1)).sum())

@@ -1,0 +1,160 @@
+"""KV capacity and throughput under load inside vLLM (SmolLM2, CPU, eager): what the packed int8 page buys.
+
+    nice -n 10 python -m benchmarks.vllm_capacity            # -> results/vllm_capacity.json
+
+Every engine gets the same KV budget (--budget-mib, vLLM's kv_cache_memory_bytes): vLLM divides it into
+blocks by its own page size, kvcert's side tensors (exact store, fp32 witness) taken out of it first
+(fast.integrations.vllm._kv_budget), so every kvcert byte is inside the budget. Capacity is vLLM's own
+block count times the block size (cache_config.num_gpu_blocks, as the engine core reported it), and the
+maximum concurrency at the workload's tokens per request. Then one run per engine of the same --requests
+requests (passkey prompts of ~--filler sentences, --max-tokens greedy tokens each, all submitted at once):
+wall seconds, requests/s, generated tokens/s, and for kvcert the certified reads (every read of a quantized
+key, prefill chunks included). Engines: vLLM alone with its fp32 cache (the baseline), kvcert's packed
+int8 page without certificates (KVCERT_CERTIFY=0, the same codes) and with them; kvcert's fp8 (the
+decoded fp32 store plus its witness: more bytes than vLLM alone) for its capacity only. bf16 is not run (kvcert needs an fp32
+model on CPU; vLLM's CPU bf16 path is another kernel): its capacity is the fp32 engine's twice, at
+2 x 2 D bytes per (slot, KV head), reported as computed.
+"""
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+ENGINES = {  # name: (make_llm keywords (None: vLLM without kvcert), run the workload (else capacity only))
+    "vLLM fp32 (no kvcert)": (None, True),
+    "kvcert int8, packed page (no certificate)": (dict(codec="int8", certify=False), True),
+    "kvcert int8, packed page, certified": (dict(codec="int8"), True),
+    "kvcert fp8_e4m3 (decoded fp32 store), certified": (dict(codec="fp8_e4m3"), False),
+}
+
+
+def _llm(model, kw, budget, max_len, batched):
+    common = dict(enforce_eager=True, max_model_len=max_len, kv_cache_memory_bytes=budget, dtype="float32",
+                  max_num_batched_tokens=batched, enable_chunked_prefill=True, max_num_seqs=64)
+    if kw is None:
+        os.environ["KVCERT_VLLM"] = "0"
+        from vllm import LLM
+        return LLM(model, **common)
+    from fast.integrations.vllm import make_llm
+    return make_llm(model, records=0, **kw, **common)
+
+
+def _blocks(llm):
+    cc = llm.llm_engine.vllm_config.cache_config
+    return int(cc.num_gpu_blocks), int(cc.block_size)
+
+
+def run(model, prompts, args):
+    from tqdm import tqdm
+    from vllm import SamplingParams
+
+    from fast.integrations.vllm import generate
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    per_req = max(len(p["prompt_token_ids"]) for p in prompts) + args.max_tokens
+    rows = []
+    for name in tqdm([n for n in ENGINES if n in args.engines.split("|")] if args.engines else list(ENGINES), desc="engines"):
+        kw, load = ENGINES[name]
+        llm = _llm(model, kw, args.budget_mib << 20, args.max_model_len, args.batched_tokens)
+        nb, bs = _blocks(llm)
+        row = {"engine": name, "kvcert": kw, "blocks": nb, "block_size": bs, "capacity_tokens": nb * bs,
+               "max_concurrency": nb * bs / per_req}
+        rows.append(row)
+        llm.generate([prompts[0]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up (kernel build, caches)
+        if kw is not None:  # after the first write: the plugin counts the bytes as each layer's cache is first used
+            (mem,) = llm.collective_rpc("kvcert_memory")
+            row["memory"] = {k: mem[k] for k in ("budget", "vllm_share", "vllm_cache_bytes", "kvcert_bytes")}
+        if not load:
+            del llm
+            continue
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params) if kw is None else generate(llm, prompts, params)  # each with .kvcert
+        sec = time.perf_counter() - t
+        gen = sum(len(o.outputs[0].token_ids) for o in outs)
+        row.update({"seconds": sec, "requests_per_s": len(prompts) / sec, "generated_tokens_per_s": gen / sec,
+                    "generated_tokens": gen, "answers": [list(o.outputs[0].token_ids) for o in outs]})
+        if kw is not None and kw.get("certify", True):
+            row["certified_reads"] = sum(o.kvcert["reads"] for o in outs)
+        del llm
+    add_ratios(rows)
+    return rows, per_req
+
+
+def add_ratios(rows):
+    """capacity_vs_fp32 and (engines that ran the workload) throughput_vs_fp32 against vLLM without kvcert."""
+    base = next((r for r in rows if r["kvcert"] is None), None)
+    if base is None:
+        return
+    for r in rows:
+        r["capacity_vs_fp32"] = r["capacity_tokens"] / base["capacity_tokens"]
+        if "seconds" in r:
+            r["throughput_vs_fp32"] = r["generated_tokens_per_s"] / base["generated_tokens_per_s"]
+
+
+def table(res):
+    rows = []
+    for r in res["engines"]:
+        ran = "seconds" in r
+        rows.append([r["engine"], f"{r['capacity_tokens']:,}", f"{r['max_concurrency']:.1f}",
+                     f"{r.get('capacity_vs_fp32', 1.0):.2f}x", f"{r['requests_per_s']:.3f}" if ran else "(capacity only)",
+                     f"{r['generated_tokens_per_s']:.1f}" if ran else "-",
+                     f"{r.get('throughput_vs_fp32', 1.0):.2f}x" if ran else "-",
+                     f"{r['certified_reads']:,}" if "certified_reads" in r else "-"])
+    bf16 = res["bf16_equivalent"]
+    rows.append(["bf16 cache (computed, not run)", f"{bf16['capacity_tokens']:,}", f"{bf16['max_concurrency']:.1f}",
+                 f"{bf16['capacity_vs_fp32']:.2f}x", "-", "-", "-", "-"])
+    return {"title": f"kvcert inside vLLM: KV capacity and throughput at one KV budget of {res['budget_mib']} MiB "
+                     f"(SmolLM2-135M fp32, CPU; {res['requests']} requests of ~{res['prompt_tokens_median']} prompt "
+                     f"tokens + {res['max_tokens']} generated, submitted at once)",
+            "header": ["engine", "KV capacity (tokens)", "max concurrency", "capacity vs fp32", "requests/s",
+                       "generated tokens/s", "throughput vs fp32", "certified reads"],
+            "rows": rows}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--budget-mib", type=int, default=96)
+    ap.add_argument("--requests", type=int, default=24)
+    ap.add_argument("--filler", type=int, default=8, help="passkey filler sentences (8 ~ 284 tokens, 40 ~ 1k)")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--batched-tokens", type=int, default=2048)
+    ap.add_argument("--engines", default="", help="'|'-separated engine names (default: all)")
+    ap.add_argument("--out", default="results/vllm_capacity.json")
+    args = ap.parse_args(argv)
+    start = time.time()
+    import torch
+    import vllm
+    from transformers import AutoTokenizer
+
+    from benchmarks.vllm_bench import _prompts
+    from fast.integrations.vllm import packed_row_bytes, smollm2_dir
+    model = str(smollm2_dir())
+    prompts = [p for p, _ in _prompts(AutoTokenizer.from_pretrained(model), args.requests, args.filler)]
+    rows, per_req = run(model, prompts, args)
+    lens = sorted(len(p["prompt_token_ids"]) for p in prompts)
+    base = next((r for r in rows if r["kvcert"] is None), None)
+    res = {"command": "python -m benchmarks.vllm_capacity " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "machine": {"platform": platform.platform(), "cores": os.cpu_count()},
+           "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
+           "model": "SmolLM2-135M-Instruct (fp32)", "budget_mib": args.budget_mib, "requests": len(prompts),
+           "prompt_tokens_median": lens[len(lens) // 2], "max_tokens": args.max_tokens, "tokens_per_request": per_req,
+           "bytes_per_slot_kv_head": {"fp32": 2 * 64 * 4, "bf16": 2 * 64 * 2, "int8 packed (certified)": packed_row_bytes(64, 8),
+                                      "int8 packed (no certificate)": packed_row_bytes(64, 8, certify=False)},
+           "engines": rows}
+    if base is not None:
+        cap = 2 * base["capacity_tokens"]
+        res["bf16_equivalent"] = {"capacity_tokens": cap, "max_concurrency": cap / per_req, "capacity_vs_fp32": 2.0}
+        res["readme_table"] = table(res)
+    res["seconds"] = time.time() - start
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    if "readme_table" in res:
+        for r in res["readme_table"]["rows"]:
+            print(" | ".join(r))
+
+
+if __name__ == "__main__":
+    main()
