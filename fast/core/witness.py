@@ -89,6 +89,17 @@ def _log_table(device):
     return table.to(device)
 
 
+_LUT32 = []
+
+
+def log_table32():
+    """The log table as fp32 [256] contiguous on the CPU, built once: the fused C++ read decodes uint8 witness codes
+    with it (the transformers cache and the vLLM plugin pass the same tensor)."""
+    if not _LUT32:
+        _LUT32.append(_log_table("cpu").to(torch.float32).contiguous())
+    return _LUT32[0]
+
+
 def max_packable():
     """The largest witness a regular code holds (code 254, ~3.4e3); above it: the reserved top code."""
     return float(_log_table("cpu")[TOP_CODE - 1])

@@ -40,6 +40,7 @@ from fast.core.certify import FORMS, logit_rounding, with_other_logits
 from fast.core.prerope import BLOCK as PRE_BLOCK
 from fast.core.schemes import KIVI_GROUP
 from fast.core.quant import max_abs
+from fast.core.witness import log_table32
 from fast.integrations import hf_meter
 from fast.integrations.hf_layer import CertifiedLayer
 
@@ -185,7 +186,7 @@ def fused_read(layer, query, scale):
     n = layer.n
     qpos = torch.arange(n - T, n, dtype=torch.int32).view(1, T).expand(B, T).contiguous()
     segs, (ngk, ngv) = layer.segments()
-    lut = _lut() if layer.rho_codes is not None and not layer.derived else None
+    lut = log_table32() if layer.rho_codes is not None and not layer.derived else None
     out, stats = cpu_fused._run(q, qpos, segs, float(scale), _bands(cache), ngk, ngv, cache.certify, lut)
     cache.fused_reads += 1
     if cache.certify:
@@ -200,16 +201,6 @@ def _bands(cache):
     if b is None:
         b = cache._bands64 = cache.bands.to(torch.int64).contiguous()
     return b
-
-
-_LUT = []
-
-
-def _lut():
-    if not _LUT:
-        from fast.core.witness import _log_table
-        _LUT.append(_log_table("cpu").to(torch.float32).contiguous())
-    return _LUT[0]
 
 
 def flush_certificates(cache):

@@ -95,7 +95,7 @@ from fast.core.attention import attention_rows  # the torch twin: where the fuse
 from fast.core.certify import logit_rounding, with_other_logits
 from fast.core.quant import dequantize, quantize
 from fast.core.rope import rope_bands
-from fast.core.witness import _log_table, pack_witness, unpack_witness, witness
+from fast.core.witness import log_table32, pack_witness, unpack_witness, witness
 from fast.integrations import vllm_fp8
 from fast.policies.gate import parse_gate
 
@@ -631,7 +631,7 @@ def _backend_classes():
                     base = cpu_fused.paged_base(k=kt, v=vv, rho=self.rho, k_transposed=True)
                 self._base_of = got = (kv_cache, certify, base)
             s0 = cpu_fused.paged_seg(N, table=table, base=got[2])
-            lut = _log_lut() if self.packed and certify else None
+            lut = log_table32() if self.packed and certify else None
             return cpu_fused._run(q[None].contiguous(), pos.view(1, -1), [s0, self._empty_seg()], self.scale,
                                   self._bands64, 1, 1, certify, lut=lut, out=out)
 
@@ -848,25 +848,14 @@ def flush():
         _finish(pend)
 
 
-_LUT = []
-
-
-def _log_lut():
-    """The witness log table, fp32 [256] (the fused read decodes the packed page's uint8 witness with it)."""
-    if not _LUT:
-        _LUT.append(_log_table("cpu").to(torch.float32).contiguous())
-    return _LUT[0]
-
-
 def _cast(x, codec):
     """x [n, Hkv, D] -> the values the cache holds. fp8: vLLM's CPU fp8 cast and read-back (scale 1, vLLM's
     default): fast.core.quant's round-toward-zero codec; fast.integrations.vllm_fp8 is the independent model it
     is tested against. int8: fast.core.quant's int8 with one fp16 scale per (token, KV head) (group = D), as
     vLLM's int8_per_token_head (GPU backends) keeps one scale per token and head."""
-    if codec == "int8":  # a (token, head) with NaN/Inf stays non-finite, as the fp8 cast leaves it: the read refuses it
-        bad = ~torch.isfinite(x).all(-1, keepdim=True)
-        y = dequantize(quantize(x.float().masked_fill(bad, 0.0)[None], "int8", group_size=x.shape[-1]))[0]
-        return torch.where(bad, x.float(), y)
+    if codec == "int8":  # what the packed page decodes to; a (token, head) with NaN/Inf stays non-finite (NaN scale)
+        codes, scales = int8_codes(x)
+        return codes.float() * scales.float()
     return dequantize(quantize(x.float()[None], codec + "_rtz"))[0]
 
 
