@@ -44,7 +44,7 @@ def test_exp_exhaustive():
 CASE = st.fixed_dictionaries({
     "seed": st.integers(0, 2**31 - 1), "B": st.integers(1, 2), "T": st.integers(1, 3), "Hkv": st.integers(1, 3),
     "G": st.integers(1, 3), "N": st.integers(1, 40), "D": st.sampled_from([32, 64, 96]), "NB": st.sampled_from([1, 4, 8]),
-    "cache": st.sampled_from(["int8", "int4", "float"]), "group": st.sampled_from([16, 0]),
+    "cache": st.sampled_from(["int8", "int4", "float", "fp8_e4m3", "fp8_e5m2_rtz"]), "group": st.sampled_from([16, 0]),
     "witness": st.sampled_from(["stored", "packed", "derived"]), "mag": st.sampled_from([1e-3, 1.0, 30.0]),
     "padding": st.booleans(), "exact": st.booleans(), "kpos": st.booleans()})
 
@@ -172,15 +172,39 @@ def test_large_witness_falls_back_to_twin():
 
 
 def test_unsupported_codec_goes_to_twin():
+    """A dithered codec (no fused dither decode) is read by the twin: its bits exactly."""
     g = torch.Generator().manual_seed(2)
     k, v = torch.randn(1, 2, 30, 64, generator=g), torch.randn(1, 2, 30, 64, generator=g)
     q = torch.randn(1, 2, 4, 64, generator=g)
-    kq, vq = fast.quantize(k, "fp8_e4m3"), fast.quantize(v, "fp8_e4m3")
+    kq, vq = fast.quantize(k, "int8_dither", seed=1), fast.quantize(v, "int8_dither", seed=1, stream=1)
     bands = fast.rope_bands(64, 8)
     qp = torch.tensor([[28, 29]])
     out, cert = cpu_fused.attention_rows(q, kq, vq, None, 0.125, bands=bands, q_pos=qp)
     out_t, cert_t = twin.attention_rows(q, kq, vq, None, 0.125, bands=bands, q_pos=qp, backend="torch")
     assert torch.equal(out, out_t) and all(torch.equal(cert[n], cert_t[n]) for n in FORMS)
+
+
+@pytest.mark.parametrize("scheme", ["fp8_e4m3", "fp8_e5m2_rtz"])
+def test_fp8_qtensor_through_the_kernel(scheme):
+    """fp8 QTensors (witness derived from their step when none is given, as the twin derives it) are read by the
+    kernel: the twin's output up to fp32 summation order; the certificate (min) at most the twin's (whose logit
+    bound e takes the format's largest code times the scale, the kernel the decoded rows' own max |k~|: much smaller
+    for the round-toward-zero casts without token scales), every form within the Taylor room O(cm^2) of the module doc (soundness against the exact formula:
+    test_rows_match_twin_and_reference, whose cases include fp8)."""
+    g = torch.Generator().manual_seed(2)
+    k, v = torch.randn(1, 2, 30, 64, generator=g), torch.randn(1, 2, 30, 64, generator=g)
+    q = torch.randn(1, 2, 4, 64, generator=g)
+    kq, vq = fast.quantize(k, scheme), fast.quantize(v, scheme)
+    bands = fast.rope_bands(64, 8)
+    qp = torch.tensor([[28, 29]])
+    out, cert = cpu_fused.attention_rows(q, kq, vq, None, 0.125, bands=bands, q_pos=qp)
+    out_t, cert_t = twin.attention_rows(q, kq, vq, None, 0.125, bands=bands, q_pos=qp, backend="torch")
+    torch.testing.assert_close(out, out_t, rtol=2e-5, atol=1e-6)
+    assert cpu_fused._supported(kq, vq, None)
+    assert bool((cert["min"] <= cert_t["min"] * (1 + 1e-6)).all())
+    cm = cert["max_c"].double()
+    for n in FORMS:
+        assert bool((cert[n] <= cert_t[n] * (1 + 1e-4 + cm * cm) + 1e-7).all()), n
 
 
 def _inputs():
@@ -973,3 +997,194 @@ def test_paged_codes_refused_without_scales_or_transposed():
     with pytest.raises(ValueError, match="do not divide"):
         s3 = torch.ones(4, 1, 8, 3, dtype=torch.float16)
         cpu_fused.paged_seg(16, k=kc, v=vc, k_scales=s3, v_scales=s3, rho=None, table=ok, k_transposed=False)
+
+
+# ---- fp8 codes read in place ----
+
+FP8 = st.fixed_dictionaries({
+    "seed": st.integers(0, 2**31 - 1), "B": st.integers(1, 2), "T": st.integers(1, 3), "Hkv": st.integers(1, 2),
+    "G": st.integers(1, 3), "N": st.integers(1, 45), "D": st.sampled_from([16, 64, 80]),
+    "scheme": st.sampled_from(["fp8_e4m3", "fp8_e5m2", "fp8_e4m3_rtz", "fp8_e5m2_rtz", "fp8_e4m3/raw"]),
+    "tensor_scale": st.sampled_from([1.0, 0.0078125, 3.0]), "certify": st.booleans(), "mag": st.sampled_from([1e-3, 1.0, 30.0])})
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=FP8)
+def test_fp8_codes_read_as_the_twins_dequantized_rows(case):
+    """Differential (fused fp8 vs the twin's dequantize): fp8 codes read in place (round-to-nearest with per-token fp32
+    scales or none, vLLM's round-toward-zero casts with a tensor scale: e4m3 decodes as c 2^-120 s 2^120) give the
+    SAME output and stats, bit for bit, as the kernel reading fast.dequantize of them as fp32 rows, in the AVX2 and
+    the scalar build: the kernel decodes with the twin's fp32 operations in their order (another order, table or
+    scale gives other bits at subnormal and rounded products)."""
+    g = torch.Generator().manual_seed(case["seed"])
+    B, T, Hkv, G, N, D = (case[x] for x in ("B", "T", "Hkv", "G", "N", "D"))
+    T, NB, H = min(T, N), 8 if D % 8 == 0 and D >= 64 else 2, Hkv * G
+    scheme, raw = case["scheme"].split("/")[0], case["scheme"].endswith("/raw")
+    k = torch.randn(B, Hkv, N, D, generator=g) * torch.logspace(-8, 2, N).view(1, 1, N, 1)  # subnormal codes too
+    v = torch.randn(B, Hkv, N, D, generator=g)
+    kw = dict(scale=case["tensor_scale"]) if scheme.endswith("_rtz") else dict(per_token_scale=not raw)
+    kq, vq = quantize(k, scheme, **kw), quantize(v, scheme, **kw)
+    bands = fast.rope_bands(D, NB)
+    rho = fast.pack_witness(fast.witness(k, fast.dequantize(kq), bands)).contiguous()
+    q = (torch.randn(B, T, H, D, generator=g) * case["mag"]).contiguous()
+    qpos = (N - T + torch.arange(T, dtype=torch.int32)).view(1, T).expand(B, T).contiguous()
+    lut, b64, s = _log_table("cpu").to(torch.float32).contiguous(), bands.to(torch.int64).contiguous(), D ** -0.5
+    codes = [cpu_fused.seg(Hkv, N, **cpu_fused.fp8_parts(kq, vq), rho=rho), cpu_fused.seg(Hkv, 0)]
+    rows = [cpu_fused.seg(Hkv, N, k=fast.dequantize(kq).contiguous(), v=fast.dequantize(vq).contiguous(), rho=rho),
+            cpu_fused.seg(Hkv, 0)]
+    rep = f"case {json.dumps(case)}"
+    for sc in (False, True):
+        got = cpu_fused._run(q, qpos, codes, s, b64, 1, 1, case["certify"], lut, scalar=sc)
+        want = cpu_fused._run(q, qpos, rows, s, b64, 1, 1, case["certify"], lut, scalar=sc)
+        assert torch.equal(got[0], want[0]), "output differs from the dequantized rows' " + rep
+        assert torch.equal(got[1].view(torch.int64), want[1].view(torch.int64)), "stats differ " + rep
+
+
+@pytest.mark.parametrize("what", ["nan_key", "nan_value", "order_dropped", "scale_dropped", "table_e5m2"])
+def test_fp8_read_sees_mutations_and_nan_codes(what):
+    """A NaN fp8 code (key or value) is refused by the kernel's flags; a decode that drops the 2^-120 ... 2^120
+    order of vLLM's e4m3 read (fl(c s) instead: other bits where c 2^-120 s is subnormal), the token scales, or reads
+    e4m3 bytes as e5m2 (refused here: some are Inf / NaN) is not the dequantized rows' read (the bit-identity above
+    can fail)."""
+    g = torch.Generator().manual_seed(7)
+    k, v = torch.randn(1, 2, 24, 64, generator=g), torch.randn(1, 2, 24, 64, generator=g)
+    scheme = "fp8_e4m3_rtz" if what == "order_dropped" else "fp8_e4m3"
+    if what == "order_dropped":  # c ~ 4, s = 2^-30: c 2^-120 s ~ 2^-148, rounded to the subnormal grid
+        k, v = k * 2.0 ** -28, v * 2.0 ** -28
+    kw = dict(scale=2.0 ** -30) if scheme.endswith("_rtz") else {}
+    kq, vq = quantize(k, scheme, **kw), quantize(v, scheme, **kw)
+    parts = cpu_fused.fp8_parts(kq, vq)
+    bands = fast.rope_bands(64, 8)
+    q = torch.randn(1, 1, 4, 64, generator=g).contiguous()
+    qpos = torch.tensor([[23]], dtype=torch.int32)
+    b64 = bands.to(torch.int64).contiguous()
+    rows = [cpu_fused.seg(2, 24, k=fast.dequantize(kq).contiguous(), v=fast.dequantize(vq).contiguous()), cpu_fused.seg(2, 0)]
+    want = cpu_fused._run(q, qpos, rows, 0.125, b64, 1, 1, False)[0]
+    if what in ("nan_key", "nan_value"):
+        t = parts["k" if what == "nan_key" else "v"].view(torch.uint8)
+        t[0, 1, 5, 3] = 0x7F  # e4m3fn's NaN
+        with pytest.raises(ValueError, match="non-finite logits" if what == "nan_key" else "value cache"):
+            cpu_fused._run(q, qpos, [cpu_fused.seg(2, 24, **parts), cpu_fused.seg(2, 0)], 0.125, b64, 1, 1, False)
+        return
+    f8 = parts["fp8"]
+    if what == "order_dropped":
+        parts["fp8"] = cpu_fused.Fp8Read(f8.dtype, f8.scale)
+    elif what == "scale_dropped":
+        parts["k_scales"] = parts["v_scales"] = None
+    else:
+        parts["fp8"] = cpu_fused.Fp8Read(torch.float8_e5m2)
+        parts["k"], parts["v"] = parts["k"].view(torch.uint8), parts["v"].view(torch.uint8)
+    try:  # another read, or refused (e4m3 bytes read as e5m2 include Inf / NaN values)
+        other = cpu_fused._run(q, qpos, [cpu_fused.seg(2, 24, **parts), cpu_fused.seg(2, 0)], 0.125, b64, 1, 1, False)[0]
+        assert not torch.equal(other, want)
+    except ValueError:
+        assert what == "table_e5m2"
+    parts = cpu_fused.fp8_parts(kq, vq)
+    assert torch.equal(cpu_fused._run(q, qpos, [cpu_fused.seg(2, 24, **parts), cpu_fused.seg(2, 0)], 0.125, b64, 1, 1, False)[0], want)
+
+
+@pytest.mark.parametrize("what", ["scales_fp16", "one_scale", "scale_shape", "codes_int8", "pre_inexact", "scale_zero",
+                                  "dtype", "mixed", "rtz_scales_differ"])
+def test_fp8_bad_inputs_one_value_error(what):
+    """fp8 inputs the kernel trusts: codes not fp8 / uint8 [B, Hkv, N, D], scales not fp32 [B, Hkv, N, 1] for both
+    streams, decode factors fp32 cannot hold or <= 0, a table dtype that is not fp8, keys and values of two schemes
+    or two tensor scales: one ValueError each."""
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(1, 1, 10, 32, generator=g), torch.randn(1, 1, 10, 32, generator=g)
+    kq, vq = quantize(k, "fp8_e5m2"), quantize(v, "fp8_e5m2")
+    parts = cpu_fused.fp8_parts(kq, vq)
+    cpu_fused.seg(1, 10, **parts)  # the good call
+    f8 = parts["fp8"]
+    if what == "scales_fp16":
+        parts["k_scales"], parts["v_scales"] = parts["k_scales"].half(), parts["v_scales"].half()
+    elif what == "one_scale":
+        parts["v_scales"] = None
+    elif what == "scale_shape":
+        parts["k_scales"] = parts["k_scales"][:, :, :9]
+    elif what == "codes_int8":
+        parts["k"] = parts["k"].view(torch.int8)
+    elif what == "pre_inexact":
+        parts["fp8"] = cpu_fused.Fp8Read(f8.dtype, 1.0, 0.1)
+    elif what == "scale_zero":
+        parts["fp8"] = cpu_fused.Fp8Read(f8.dtype, 0.0)
+    elif what == "dtype":
+        parts["fp8"] = cpu_fused.Fp8Read(torch.float16)
+    if what == "mixed":
+        with pytest.raises(ValueError, match="one scheme"):
+            cpu_fused.fp8_parts(kq, quantize(v, "fp8_e4m3"))
+        return
+    if what == "rtz_scales_differ":
+        with pytest.raises(ValueError, match="tensor scales differ"):
+            cpu_fused.fp8_parts(quantize(k, "fp8_e4m3_rtz", scale=2.0), quantize(v, "fp8_e4m3_rtz"))
+        return
+    with pytest.raises(ValueError):
+        cpu_fused.seg(1, 10, **parts)
+
+
+@settings(max_examples=20, deadline=None)
+@given(case=PAGED, scheme=st.sampled_from(["fp8_e4m3", "fp8_e5m2", "fp8_e4m3_rtz"]), u8=st.booleans())
+def test_paged_fp8_codes_same_bits_as_contiguous(case, scheme, u8):
+    """fp8 codes read in place from a paged cache packed as kvcert's vLLM cache packs them (per (block, head) one byte
+    slab: key codes [bs, D], value codes [bs, D], key and value fp32 scales [bs, 1] (round-to-nearest; none for the
+    round-toward-zero cast), witness [bs, NB]): output and stats equal bit for bit the read of the same codes laid out
+    contiguously (seg), in the vector and the scalar build."""
+    g = torch.Generator().manual_seed(case["seed"])
+    B, T, Hkv, G, N, bs, D = (case[x] for x in ("B", "T", "Hkv", "G", "N", "bs", "D"))
+    T, NB, H = min(T, N), 8, Hkv * G
+    kw = dict(scale=2.0 ** -3) if scheme.endswith("_rtz") else {}
+    kq = quantize(torch.randn(B, Hkv, N, D, generator=g), scheme, **kw)
+    vq = quantize(torch.randn(B, Hkv, N, D, generator=g), scheme, **kw)
+    parts = cpu_fused.fp8_parts(kq, vq)
+    scaled = parts["k_scales"] is not None
+    rho = (torch.randint(0, 200, (B, Hkv, N, NB), generator=g, dtype=torch.uint8) if u8
+           else torch.rand(B, Hkv, N, NB, generator=g) * 1e-2)
+    rb = rho.element_size() * NB
+    nblk = -(-N // bs)
+    nb = B * nblk + 3
+    perm = torch.randperm(nb, generator=g)[: B * nblk].view(B, nblk).to(torch.int32)
+    table = torch.cat([perm, torch.full((B, 2), nb - 1, dtype=torch.int32)], 1).contiguous()
+    sw = 4 if scaled else 0
+    row = 2 * D + 2 * sw + rb  # bytes per (slot, head)
+    slab = torch.full((nb, Hkv, bs * row), 0x7F, dtype=torch.uint8)  # unused slots: NaN codes
+    part = lambda off, width, dt: slab[:, :, off * bs: (off + width) * bs].view(dt).view(nb, Hkv, bs, -1)
+    kc, vc = part(0, D, torch.uint8), part(D, D, torch.uint8)
+    ks, vs = (part(2 * D, sw, torch.float32), part(2 * D + sw, sw, torch.float32)) if scaled else (None, None)
+    rc = part(2 * D + 2 * sw, rb, rho.dtype)
+    for b in range(B):
+        for j in range(N):
+            blk, off = int(table[b, j // bs]), j % bs
+            kc[blk, :, off], vc[blk, :, off] = parts["k"].view(torch.uint8)[b, :, j], parts["v"].view(torch.uint8)[b, :, j]
+            if scaled:
+                ks[blk, :, off], vs[blk, :, off] = parts["k_scales"][b, :, j], parts["v_scales"][b, :, j]
+            rc[blk, :, off] = rho[b, :, j]
+    q = torch.randn(B, T, H, D, generator=g).contiguous()
+    qpos = (N - T + torch.arange(T, dtype=torch.int32)).view(1, T).expand(B, T).contiguous()
+    b64 = fast.rope_bands(D, NB).to(torch.int64).contiguous()
+    lut = _log_table("cpu").to(torch.float32).contiguous() if u8 else None
+    flat = [cpu_fused.seg(Hkv, N, **parts, rho=rho), cpu_fused.seg(Hkv, 0)]
+    paged = [cpu_fused.paged_seg(N, k=kc, v=vc, k_scales=ks, v_scales=vs, rho=rc, table=table, k_transposed=False,
+                                 fp8=parts["fp8"]), cpu_fused.seg(Hkv, 0)]
+    for sc in (False, True):
+        want = cpu_fused._run(q, qpos, flat, D ** -0.5, b64, 1, 1, case["certify"], lut=lut, scalar=sc)
+        got = cpu_fused._run(q, qpos, paged, D ** -0.5, b64, 1, 1, case["certify"], lut=lut, scalar=sc)
+        rep = f"scalar={sc} {scheme} u8={u8} case {json.dumps(case)}"
+        assert torch.equal(got[0], want[0]), "output differs: " + rep
+        assert torch.equal(got[1], want[1]), "stats differ: " + rep
+
+
+def test_paged_fp8_refusals():
+    """fp8 codes in a paged cache: bytes not transposed, scales fp32 [.., bs, 1] for both or neither, slabs contiguous,
+    a valid Fp8Read: one ValueError each."""
+    kc, vc = torch.zeros(4, 1, 8, 64, dtype=torch.uint8), torch.zeros(4, 1, 8, 64, dtype=torch.uint8)
+    sc = torch.ones(4, 1, 8, 1)
+    ok = torch.tensor([[0, 1]], dtype=torch.int32)
+    f8 = cpu_fused.Fp8Read(torch.float8_e4m3fn)
+    cpu_fused.paged_seg(16, k=kc, v=vc, k_scales=sc, v_scales=sc, rho=None, table=ok, k_transposed=False, fp8=f8)
+    bad = [dict(k_transposed=True), dict(v_scales=None), dict(k_scales=sc.half(), v_scales=sc.half()),
+           dict(k_scales=torch.ones(4, 1, 8, 2), v_scales=torch.ones(4, 1, 8, 2)), dict(k=kc.view(torch.int8)),
+           dict(fp8=cpu_fused.Fp8Read(torch.float16)), dict(fp8=cpu_fused.Fp8Read(torch.float8_e4m3fn, -1.0)),
+           dict(v=torch.zeros(4, 1, 64, 8, dtype=torch.uint8).transpose(2, 3))]
+    for kw in bad:
+        args = dict(k=kc, v=vc, k_scales=sc, v_scales=sc, rho=None, table=ok, k_transposed=False, fp8=f8)
+        with pytest.raises(ValueError):
+            cpu_fused.paged_seg(16, **{**args, **kw})

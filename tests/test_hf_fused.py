@@ -39,10 +39,12 @@ def _run(cache_cls, attn, ids, steps, before_step=None, scheme="int8", **kw):
 
 
 @pytest.mark.parametrize("scheme,derived", [("int8", False), ("int4", False), ("int4", True), ("kivi2", False),
-                                            ("prerope_int4", False), ("prerope_int8", False)])
+                                            ("prerope_int4", False), ("prerope_int8", False), ("fp8_e4m3", False),
+                                            ("fp8_e5m2", False), ("fp8_e4m3_rtz", False), ("fp8_e5m2_rtz", False)])
 def test_decode_matches_meter(monkeypatch, scheme, derived):
     """int8 and int4 (packed codes read in place; witness stored as log codes, or derived from the scales), kivi2
-    (2-bit codes, keys per channel over blocks of 32 tokens) and pre-RoPE keys (rotated at read)."""
+    (2-bit codes, keys per channel over blocks of 32 tokens), pre-RoPE keys (rotated at read) and fp8 codes
+    (round-to-nearest with per-token scales, vLLM's round-toward-zero casts)."""
     monkeypatch.setattr(hf_fused, "FLUSH_BLOCK", 1)  # the meter's cache flushes every step: same contents
     ids = tiny_ids(B=2, N=70)
     if scheme.startswith("prerope"):
@@ -239,20 +241,22 @@ def test_huge_key_error_mid_generation_gives_a_vacuous_record(monkeypatch):
         assert bool((f["pre_min"] >= r["pre_min"] * (1 - 1e-5)).all()), (f["step"], f["layer"])
 
 
-def test_int4_fused_certificate_bounds_true_tv():
-    """Soundness against the truth (exact keys): int4 through the fused cache, a read of layer 1 with a chosen
-    query; the exact keys from an exact prefill the cache never touched; TV(softmax over exact keys,
-    softmax over the served int4 keys) <= the record's bound, per (sequence, query head)."""
+@pytest.mark.parametrize("scheme", ["int4", "fp8_e5m2", "fp8_e4m3_rtz"])
+def test_fused_certificate_bounds_true_tv(scheme):
+    """Soundness against the truth (exact keys): int4 and fp8 codes through the fused cache, a read of layer 1 with a
+    chosen query; the exact keys from an exact prefill the cache never touched; TV(softmax over exact keys,
+    softmax over the served keys) <= the record's bound, per (sequence, query head)."""
     ids = tiny_ids(B=2, N=48)
     model = tiny_llama()
     with torch.no_grad():
         exact = model(input_ids=ids, use_cache=True).past_key_values.layers[1]
     fmodel = tiny_llama(attn=hf_fused.NAME)
-    cache = FusedCertifiedCache(fmodel.config, "int4", window=8, sinks=4)
+    cache = FusedCertifiedCache(fmodel.config, scheme, window=8, sinks=4)
     with torch.no_grad():
         fmodel(input_ids=ids, past_key_values=cache, use_cache=True)
     layer = cache.layers[1]
-    assert layer.fused_ok() and layer.nq > 0 and layer.kq.qt.codes.dtype == torch.uint8
+    code_dtype = {"int4": torch.uint8, "fp8_e5m2": torch.float8_e5m2, "fp8_e4m3_rtz": torch.uint8}[scheme]
+    assert layer.fused_ok() and layer.nq > 0 and layer.kq.qt.codes.dtype == code_dtype
     g = torch.Generator().manual_seed(5)
     q = torch.randn(2, 4, 1, 32, generator=g) * 3
     scale = 32 ** -0.5

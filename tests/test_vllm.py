@@ -159,6 +159,16 @@ def _int8_model(k):
     return torch.round(k / s16.float()).clamp(-127, 127) * s16.float()
 
 
+def _fp8_model(k):
+    """An independent model of the fp8_per_token_head page (from its definition, not the library's code): per (KV
+    head, token) the smallest fp32 scale >= max |k| / 448, codes = e4m3 round to nearest of k / scale (torch's cast),
+    decoded as code x scale in fp32."""
+    s = k.abs().amax(-1, keepdim=True).double() / 448
+    s32 = s.float()
+    s32 = torch.where(s32.double() < s, torch.nextafter(s32, torch.tensor(float("inf"))), s32)
+    return (k / s32).to(torch.float8_e4m3fn).float() * s32
+
+
 def _worst_against_transformers(tiny, outs, recs, cast):
     """(checks, max over rows of true TV - bound, max true TV): HF transformers runs each request's whole sequence
     (prompt + generated tokens) through the tiny model and gives the exact post-RoPE queries and keys; the keys
@@ -409,11 +419,37 @@ def test_vllm_int8_owns_the_cache_bytes(tiny):
     assert all(o.kvcert["reads"] > 0 for o in outs[True]) and all(o.kvcert is None for o in outs[False])
 
 
+def test_vllm_fp8_per_token_head_owns_the_cache_bytes_and_is_sound(tiny):
+    """KVCERT_CODEC=fp8_per_token_head (e4m3 round to nearest, one fp32 scale per token and KV head, as vLLM's GPU
+    backends keep it) packs codes, scales and witness into vLLM's page: 144 bytes per (slot, KV head), every byte of
+    vLLM's cache is that page; the page decodes to fast.core.quant's fp8_e4m3 of every exact key and value written
+    (kvcert_check_store); under chunked prefill and preemption every row's bound is >= the true TV from the exact
+    side store, and >= the TV against HF transformers' exact keys with the codec modelled independently
+    (_fp8_model)."""
+    from fast.integrations.vllm import packed_row_bytes
+    page = 2 * 2 * 32 * packed_row_bytes(64, 8, True, "fp8_per_token_head")
+    assert packed_row_bytes(64, 8, True, "fp8_per_token_head") == 144
+    llm = _engine(tiny, codec="fp8_per_token_head", shadow=True, num_gpu_blocks_override=9)
+    outs = _generate(llm, n=8)
+    parts = collect(llm)
+    ((checked, bad),) = llm.collective_rpc("kvcert_check_store")
+    (mem,) = llm.collective_rpc("kvcert_memory")
+    blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+    del llm
+    assert mem["vllm_cache_bytes"] == blocks * page, (mem, blocks)
+    assert checked > 500 and bad == 0, (checked, bad)
+    recs = [r for p in parts for r in p["records"]]
+    tv, bound = _cat(recs, "true_tv"), _cat(recs, "bound")
+    assert tv.size > 1500 and float(tv.max()) > 1e-5 and not (tv > bound).any()
+    n, worst, top = _worst_against_transformers(tiny, outs, recs, _fp8_model)
+    assert n > 1500 and top > 1e-5 and worst <= 1e-5, (n, worst, top)
+
+
 @pytest.mark.parametrize("kw, msg", [
     ({"dtype": "bfloat16"}, "model dtype"),
     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8'"),
     ({"attention_backend": "TORCH_SDPA"}, "attention_backend"),
-    ({"codec": "int3"}, "codec='int3': expected one of fp8_e4m3, fp8_e5m2, int8, none"),
+    ({"codec": "int3"}, "codec='int3': expected one of fp8_e4m3, fp8_e5m2, int8, fp8_per_token_head, none"),
     ({"box": True, "certify": False}, "the box form need certificates"),
     ({"gate": "certified:2"}, "TAU must be in [0, 1]"),
     ({"gate": "certfied:0.2"}, "gate='certfied:0.2': unknown gate"),

@@ -28,7 +28,10 @@ FusedLayer, fast.integrations.hf_fused) also asymmetric codes: kivi2 (2-bit keys
 positions at read) with int8 values, decoded in registers with the twin's fp32 operations (csrc: asym_row):
 x~ = fl(code scale + zero), code scale exact (<= 8-bit code, 11-bit scale), then prerope._rotate's
 fl(fl(x c) + fl(-y s)); the same bits as the twin's decode() read as fp32 rows (tests/test_cpu_fused.py), and the
-logit bound e takes those rows' own max |k~| per channel. Anything else (fp8, dither, v_err) goes to the torch twin.
+logit bound e takes those rows' own max |k~| per channel. fp8 QTensors (round-to-nearest with per-token fp32
+scales, and vLLM's round-toward-zero casts with a tensor scale: fp8_parts, Fp8Read) are decoded the same way (csrc:
+fp8_row): x~ = fl(fl(fl(c pre) s) post), quant.dequantize's fp32 operations in its order, the logit bound from the
+decoded rows' own max |k~|. Anything else (dither, v_err) goes to the torch twin.
 
 The certificate: the same forms, from the same fast.core.certify.forms_from_pmz, as the twin.
 Re-derived here is only how Z, P = sum w expm1(c), M = sum w (1 - e^-c) are bounded: the kernel
@@ -107,6 +110,7 @@ from fast.core.threads import read_threads
 CHUNK = 512      # at most this many tokens per work item (pass 1 and 2 split the cache into (b, kv head, chunk)
 #                  items of equal size, a multiple of 8: see _chunk)
 FUSED_SCHEMES = ("int8", "int4")  # QTensor codecs the kernel reads in place (keys and values of one scheme)
+FP8_SCHEMES = ("fp8_e4m3", "fp8_e5m2", "fp8_e4m3_rtz", "fp8_e5m2_rtz")  # fp8 QTensors it reads in place (fp8_parts)
 KAPPA_MIN = 2.0 ** -60
 RHO_MIN = 2.0 ** -64
 
@@ -329,7 +333,7 @@ def _check_head_dim(D):
 
 
 def seg(Hkv, n, *, k=None, v=None, k_scales=None, v_scales=None, rho=None, valid=None, exact=None, pos=None,
-        k_asym=None, v_asym=None):
+        k_asym=None, v_asym=None, fp8=None):
     """One kernel segment: keys/values int8 codes [B, Hkv, N, D], packed int4 codes (uint8 [B, Hkv, N, D / 2],
     fast.core.quant's layout: channel d in byte d // 2, low nibble = even channel, code = nibble - 8), each with
     fp16 scales [.., N, ng], ng dividing D (int16 views of them accepted), or fp32 rows [B, Hkv, N, D]; rho [B, Hkv, N, NB] uint8 log codes or fp32 (None: c = 0,
@@ -339,7 +343,9 @@ def seg(Hkv, n, *, k=None, v=None, k_scales=None, v_scales=None, rho=None, valid
     returned dict.
     Asymmetric codes (x~ = code * scale + zero, the twin's fp32 operations): k_asym = AsymKeys(...) (codes per
     channel over blocks of tokens: fast.core.schemes KiviKeys, fast.core.prerope PreRopeKeys, rotated at read), and
-    v_asym = AsymValues(...) (per token groups: KiviValues); k / v and k_scales / v_scales are then taken from them."""
+    v_asym = AsymValues(...) (per token groups: KiviValues); k / v and k_scales / v_scales are then taken from them.
+    fp8 codes: fp8 = Fp8Read(...) with k / v the codes (float8 or their uint8 bytes [B, Hkv, N, D]) and k_scales / v_scales
+    both fp32 [B, Hkv, N, 1] (one scale per token) or both None (Fp8Read.scale): fp8_parts(qt) builds them from a QTensor."""
     if isinstance(Hkv, bool) or not isinstance(Hkv, int) or Hkv < 1 or isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"seg: Hkv >= 1 and n >= 0 integers, got {Hkv!r}, {n!r}")
     c = _Seg()
@@ -347,6 +353,8 @@ def seg(Hkv, n, *, k=None, v=None, k_scales=None, v_scales=None, rho=None, valid
     keep = {"Hkv": Hkv, "c": c}
     if n == 0:
         return keep
+    if fp8 is not None:
+        return _fp8_seg(Hkv, n, c, keep, k, v, k_scales, v_scales, fp8, rho, valid, exact, pos)
     if k_asym is not None or v_asym is not None:
         return _asym_seg(Hkv, n, c, keep, k, v, k_scales, v_scales, k_asym, v_asym, rho, valid, exact, pos)
     if k is None or v is None:
@@ -400,6 +408,76 @@ def _witness_and_flags(c, keep, B, Hkv, n, rho, valid, exact, pos):
         c.rho_u8 = int(rho.dtype == torch.uint8)
     keep["NB"] = None if rho is None else rho.shape[-1]
     return keep
+
+
+@dataclass(frozen=True)
+class Fp8Read:
+    """How a segment's fp8 codes decode (csrc: fp8_row): x~ = fl(fl(fl(value(code) pre) s) post) in fp32, value(code)
+    the byte read as `dtype` (exact), s the token's fp32 scale (seg's k_scales / v_scales) or `scale` without them:
+    fast.core.quant.dequantize's operations in its order (fp8_parts)."""
+    dtype: torch.dtype
+    scale: float = 1.0
+    pre: float = 1.0
+    post: float = 1.0
+
+
+_FP8_TABLES = {}
+
+
+def _fp8_table(dtype):
+    """fp32 [256]: the value of every byte read as `dtype` (NaN codes NaN)."""
+    if dtype not in _FP8_TABLES:
+        _FP8_TABLES[dtype] = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).to(torch.float32).contiguous()
+    return _FP8_TABLES[dtype]
+
+
+def fp8_parts(k, v):
+    """seg()'s fp8 arguments (k, v, k_scales, v_scales, fp8) for keys and values stored as fp8 QTensors of one
+    scheme: round-to-nearest casts with their per-token fp32 scales (or none), or vLLM's round-toward-zero casts
+    (uint8 bytes, one per-tensor scale each; e4m3 decodes as c 2^-120 s 2^120). The two streams' tensor scales
+    must agree (one Fp8Read per segment)."""
+    from fast.core.quant import FP8, RTZ
+    if not (isinstance(k, QTensor) and isinstance(v, QTensor) and k.scheme == v.scheme and k.scheme in {**FP8, **RTZ}):
+        raise ValueError("fp8_parts: keys and values must be fp8 QTensors of one scheme")
+    if k.scheme in RTZ:
+        if k.tensor_scale != v.tensor_scale:
+            raise ValueError(f"fp8_parts: key and value tensor scales differ ({k.tensor_scale} vs {v.tensor_scale})")
+        pre, post = (2.0 ** -120, 2.0 ** 120) if k.scheme == "fp8_e4m3_rtz" else (1.0, 1.0)
+        return dict(k=k.codes, v=v.codes, k_scales=None, v_scales=None,
+                    fp8=Fp8Read(RTZ[k.scheme][0], float(k.tensor_scale), pre, post))
+    return dict(k=k.codes, v=v.codes, k_scales=k.scales, v_scales=v.scales, fp8=Fp8Read(FP8[k.scheme][0]))
+
+
+def _check_fp8_read(f8):
+    if not isinstance(f8, Fp8Read) or f8.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError("fp8: an Fp8Read of torch.float8_e4m3fn or torch.float8_e5m2")
+    for name, x in (("scale", f8.scale), ("pre", f8.pre), ("post", f8.post)):
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not (math.isfinite(x) and x > 0) \
+                or float(torch.tensor(x, dtype=torch.float32)) != x:
+            raise ValueError(f"fp8.{name} = {x!r}: a positive number fp32 holds exactly")
+
+
+def _fp8_seg(Hkv, n, c, keep, k, v, k_scales, v_scales, f8, rho, valid, exact, pos):
+    _check_fp8_read(f8)
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (k, v)):
+        raise ValueError("fp8: k and v must be code tensors [B, Hkv, N, D]")
+    B, D = k.shape[0], k.shape[3]
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype not in (f8.dtype, torch.uint8):
+            raise ValueError(f"{name}: fp8 codes must be {f8.dtype} or their uint8 bytes, got {t.dtype}")
+        _set(c, keep, name, name, t.view(torch.uint8), (torch.uint8,), (B, Hkv, n, D))
+    _check_head_dim(D)
+    if (k_scales is None) != (v_scales is None):
+        raise ValueError("k_scales / v_scales: both fp32 [B, Hkv, N, 1] or both None")
+    if k_scales is not None:
+        _set(c, keep, "ks8", "ks", k_scales, (torch.float32,), (B, Hkv, n, 1))
+        _set(c, keep, "vs8", "vs", v_scales, (torch.float32,), (B, Hkv, n, 1))
+    table = _fp8_table(f8.dtype)
+    keep["f8lut"] = table
+    c.coded, c.fp8, c.f8lut = 1, 1, table.data_ptr()
+    c.f8scale, c.f8pre, c.f8post = f8.scale, f8.pre, f8.post
+    keep["B"], keep["D"], keep["ng"] = B, D, (1, 1)
+    return _witness_and_flags(c, keep, B, Hkv, n, rho, valid, exact, pos)
 
 
 @dataclass(frozen=True)
@@ -484,11 +562,12 @@ def _asym_seg(Hkv, n, c, keep, k, v, k_scales, v_scales, ka, va, rho, valid, exa
     return _witness_and_flags(c, keep, B, Hkv, n, rho, valid, exact, pos)
 
 
-def paged_seg(n, *, table, k=None, v=None, rho=None, k_transposed=None, k_scales=None, v_scales=None, base=None):
+def paged_seg(n, *, table, k=None, v=None, rho=None, k_transposed=None, k_scales=None, v_scales=None, base=None, fp8=None):
     """A segment read in place from a paged cache: fp32 k [num_blocks, Hkv, D, bs] (k_transposed: vLLM's CPU
     layout) or [num_blocks, Hkv, bs, D], v [num_blocks, Hkv, bs, D]; or int8 codes k, v [num_blocks, Hkv, bs, D]
     with their fp16 (or int16-viewed) scales k_scales, v_scales [num_blocks, Hkv, bs, ng] (kvcert's packed vLLM
-    cache: fast.integrations.vllm); rho fp32 or uint8 log codes [num_blocks, Hkv, bs, NB] or None. Each
+    cache: fast.integrations.vllm), or fp8 codes (fp8 = Fp8Read(...): k, v their uint8 bytes [num_blocks, Hkv, bs, D],
+    k_scales, v_scales fp32 [num_blocks, Hkv, bs, 1] or both None); rho fp32 or uint8 log codes [num_blocks, Hkv, bs, NB] or None. Each
     (block, head) slab of each tensor holds its bs rows contiguously (rows of X elements at stride X); table int32
     [B, >= ceil(n / bs)] the blocks of each sequence (checked against num_blocks: the kernel trusts it).
     Tokens 0..n-1 of sequence b are its positions. The cache tensors' checks depend only on their dtypes,
@@ -496,7 +575,7 @@ def paged_seg(n, *, table, k=None, v=None, rho=None, k_transposed=None, k_scales
     the table check every call. base: paged_base(...)'s result in place of the cache tensors (a serving loop
     keeps it per cache tensor and skips even the memo's key)."""
     if base is None:
-        base = paged_base(k=k, v=v, rho=rho, k_transposed=k_transposed, k_scales=k_scales, v_scales=v_scales)
+        base = paged_base(k=k, v=v, rho=rho, k_transposed=k_transposed, k_scales=k_scales, v_scales=v_scales, fp8=fp8)
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"paged_seg: n must be an integer >= 0, got {n!r}")
     if n == 0:
@@ -515,8 +594,10 @@ def paged_seg(n, *, table, k=None, v=None, rho=None, k_transposed=None, k_scales
     return {**base, "c": c, "table": table, "B": table.shape[0]}
 
 
-def paged_base(*, k, v, rho, k_transposed, k_scales=None, v_scales=None):
+def paged_base(*, k, v, rho, k_transposed, k_scales=None, v_scales=None, fp8=None):
     """paged_seg's checks of the cache tensors, once: a dict for paged_seg(base=...) that keeps them alive."""
+    if fp8 is not None:
+        return _paged_base_fp8(k, v, rho, k_transposed, k_scales, v_scales, fp8)
     if not isinstance(v, torch.Tensor) or v.dim() != 4 or min(v.shape) < 1:
         raise ValueError(f"v: [num_blocks, Hkv, bs, D], got {getattr(v, 'shape', v)}")
     nb, Hkv, bs = v.shape[0], v.shape[1], v.shape[2]
@@ -533,6 +614,52 @@ def paged_base(*, k, v, rho, k_transposed, k_scales=None, v_scales=None):
     ng = (k_scales.shape[3], v_scales.shape[3]) if c.coded else (1, 1)
     return {"Hkv": Hkv, "c": c, "k": k, "v": v, "rho": rho, "ks": k_scales, "vs": v_scales, "nb": nb, "bs": bs,
             "D": v.shape[3], "ng": ng, "NB": None if rho is None else rho.shape[3]}
+
+
+def _paged_base_fp8(k, v, rho, k_transposed, k_scales, v_scales, f8):
+    """paged_base for fp8 codes: the bytes k, v [num_blocks, Hkv, bs, D] (not transposed), the scales (fp32
+    [num_blocks, Hkv, bs, 1], both or neither), the witness, each (block, head) slab's rows contiguous, and the
+    decode (Fp8Read). Not memoized: a serving loop keeps the result per cache tensor (paged_seg(base=...))."""
+    if k_transposed:
+        raise ValueError("fp8 codes: k [num_blocks, Hkv, bs, D] (not transposed)")
+    tensors = {"k": k, "v": v, "k_scales": k_scales, "v_scales": v_scales}
+    for name, t in tensors.items():
+        if (t is not None or name in ("k", "v")) and not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a tensor, got {type(t).__name__}")
+    _check_fp8_read(f8)
+    for name in ("k", "v"):
+        if tensors[name].dtype not in (torch.uint8, f8.dtype):
+            raise ValueError(f"{name}: fp8 codes must be {f8.dtype} or their uint8 bytes, got {tensors[name].dtype}")
+    if (k_scales is None) != (v_scales is None):
+        raise ValueError("k_scales / v_scales: both fp32 [num_blocks, Hkv, bs, 1] or both None")
+    kb, vb = k.view(torch.uint8), v.view(torch.uint8)
+    nb, Hkv, bs, D = v.shape if v.dim() == 4 else (0, 0, 0, 0)
+    _check_head_dim(D)
+    c = _Seg()
+    for name, t, shape, dtypes, field in (("k", kb, (nb, Hkv, bs, D), (torch.uint8,), "k"),
+                                          ("v", vb, (nb, Hkv, bs, D), (torch.uint8,), "v"),
+                                          ("rho", rho, (nb, Hkv, bs, None), (torch.float32, torch.uint8), "r"),
+                                          ("ks8", k_scales, (nb, Hkv, bs, 1), (torch.float32,), "ks"),
+                                          ("vs8", v_scales, (nb, Hkv, bs, 1), (torch.float32,), "vs")):
+        if t is None:
+            continue
+        if not (isinstance(t, torch.Tensor) and t.dtype in dtypes and t.device.type == "cpu" and t.dim() == 4
+                and all(w is None or x == w for x, w in zip(t.shape, shape)) and t.shape[3] >= 1):
+            raise ValueError(f"{name}: {[str(d) for d in dtypes]} {shape} on the CPU (None: any), got "
+                             f"{getattr(t, 'dtype', t)} {tuple(getattr(t, 'shape', ()))}")
+        if t.stride(3) != 1 or t.stride(2) != t.shape[3]:
+            raise ValueError(f"{name}: each (block, head) slab must hold its rows contiguously")
+        setattr(c, name, t.data_ptr())
+        setattr(c, field + "_sb", t.stride(0))
+        setattr(c, field + "_sh", t.stride(1))
+    if rho is not None:
+        c.rho_u8 = int(rho.dtype == torch.uint8)
+    c.coded, c.fp8, c.f8lut = 1, 1, _fp8_table(f8.dtype).data_ptr()
+    c.f8scale, c.f8pre, c.f8post = f8.scale, f8.pre, f8.post
+    c.bs, c.k_t = bs, 0
+    c.bs_log2 = bs.bit_length() - 1 if bs & (bs - 1) == 0 else -1
+    return {"Hkv": Hkv, "c": c, "k": kb, "v": vb, "rho": rho, "ks": k_scales, "vs": v_scales, "nb": nb, "bs": bs,
+            "D": D, "ng": (1, 1), "NB": None if rho is None else rho.shape[3], "f8lut": _fp8_table(f8.dtype)}
 
 
 @functools.lru_cache(maxsize=64)
@@ -616,7 +743,7 @@ def _supported(k, v, v_err):
     if v_err is not None or D % 8 or D > 512:
         return False
     if isinstance(k, QTensor) and isinstance(v, QTensor):
-        return k.scheme == v.scheme and k.scheme in FUSED_SCHEMES and k.codes.device.type == "cpu"
+        return k.scheme == v.scheme and k.scheme in FUSED_SCHEMES + FP8_SCHEMES and k.codes.device.type == "cpu"
     if isinstance(k, QTensor) or isinstance(v, QTensor):
         return False
     return k.device.type == "cpu" and k.dtype == torch.float32 and v.dtype == torch.float32
@@ -629,7 +756,7 @@ def _check_qtensor(name, t):
     past their end, int8 codes read as packed nibbles or the reverse give other keys). Float caches: nothing
     to check here. (A packed byte with a 0 nibble, no code quantize writes, is refused by the kernel: its
     logit / output flag.)"""
-    if not isinstance(t, QTensor):
+    if not isinstance(t, QTensor) or t.scheme in FP8_SCHEMES:  # fp8: seg checks codes and scales (fp8_parts)
         return
     c, sc = t.codes, t.scales
     dtype, W = (torch.uint8, "D / 2") if t.scheme == "int4" else (torch.int8, "D")
@@ -667,9 +794,10 @@ def attention_rows(q, k, v, rho, scale, *, bands, q_pos, k_pos=None, valid=None,
     NB = bands.shape[0]
     lut = None
     if certify:
-        if rho is None:
-            from fast.core.witness import witness_from_scales
-            rho = witness_from_scales(k, bands)
+        if rho is None:  # derived from the codes, as the twin derives it (fast.core.attention._derived_rho)
+            from fast.core.quant import QMAX
+            from fast.core.witness import witness_from_scales, witness_from_step
+            rho = witness_from_scales(k, bands) if k.scheme in QMAX else witness_from_step(k.step(), bands)
         if rho.dtype == torch.uint8:
             from fast.core.witness import _log_table
             lut = _log_table("cpu").to(torch.float32).contiguous()
@@ -684,13 +812,18 @@ def attention_rows(q, k, v, rho, scale, *, bands, q_pos, k_pos=None, valid=None,
     u8 = lambda t: None if t is None else t.to(torch.uint8).contiguous()
     va = None if valid is None else u8(valid).view(B, 1, N).expand(B, Hkv, N)
     pos = None if k_pos is None else k_pos.to(torch.int32).contiguous().view(B, 1, N).expand(B, Hkv, N)
-    if isinstance(k, QTensor):
+    if isinstance(k, QTensor) and k.scheme in FP8_SCHEMES:
+        parts = fp8_parts(k, v)
+        kc, vc, ngk, ngv = parts["k"].contiguous(), parts["v"].contiguous(), 1, 1
+        ks, vs = (None, None) if parts["k_scales"] is None else (parts["k_scales"].contiguous(), parts["v_scales"].contiguous())
+    elif isinstance(k, QTensor):
         kc, vc = k.codes.contiguous(), v.codes.contiguous()
         ks, vs = k.scales.contiguous(), v.scales.contiguous()  # fp16 (seg checks them)
         ngk, ngv = ks.shape[-1], vs.shape[-1]
     else:
         kc, vc, ks, vs, ngk, ngv = k.contiguous(), v.contiguous(), None, None, 1, 1
-    s0 = seg(Hkv, N, k=kc, v=vc, k_scales=ks, v_scales=vs, rho=rho, valid=va, exact=u8(exact), pos=pos)
+    f8 = parts["fp8"] if isinstance(k, QTensor) and k.scheme in FP8_SCHEMES else None
+    s0 = seg(Hkv, N, k=kc, v=vc, k_scales=ks, v_scales=vs, rho=rho, valid=va, exact=u8(exact), pos=pos, fp8=f8)
     s1 = seg(Hkv, 0)
     qf = q.to(torch.float32).contiguous()
     out, stats = _run(qf, q_pos.to(torch.int32).contiguous(), [s0, s1], s, bands.cpu().contiguous(), ngk, ngv, certify, lut)

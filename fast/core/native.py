@@ -18,7 +18,7 @@ import torch
 from fast.core.threads import read_threads
 
 SRC = Path(__file__).resolve().parent / "csrc" / "cpu_fused.cpp"
-ABI = 2  # csrc: kvcert_fused_abi (bumped with every change of Seg / Args)
+ABI = 3  # csrc: kvcert_fused_abi (bumped with every change of Seg / Args)
 FLAGS = ["-O3", "-g", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp", "-fopenmp-simd", "-fPIC", "-shared", "-std=c++17"]
 
 
@@ -38,7 +38,9 @@ class _Seg(ctypes.Structure):
         ("kz", ctypes.c_void_p), ("kz_sb", ctypes.c_int64), ("kz_sh", ctypes.c_int64),
         ("vz", ctypes.c_void_p), ("vz_sb", ctypes.c_int64), ("vz_sh", ctypes.c_int64),
         ("kasym", ctypes.c_int), ("vasym", ctypes.c_int), ("kblk", ctypes.c_int64),
-        ("rcos", ctypes.c_void_p), ("rsin", ctypes.c_void_p), ("rpos0", ctypes.c_int64)]]
+        ("rcos", ctypes.c_void_p), ("rsin", ctypes.c_void_p), ("rpos0", ctypes.c_int64),
+        ("fp8", ctypes.c_int), ("f8lut", ctypes.c_void_p), ("ks8", ctypes.c_void_p), ("vs8", ctypes.c_void_p),
+        ("f8scale", ctypes.c_float), ("f8pre", ctypes.c_float), ("f8post", ctypes.c_float)]]
 
 
 class _Args(ctypes.Structure):

@@ -265,7 +265,7 @@ class Scheme:
     derived_witness: the stored payload has a uniform step with |error| <= step/2;
     dither: the probabilistic tier (math.md T6) applies;
     layout: the stored layout when it is one the fused CPU read takes in place (fast.integrations.hf_fused
-    FUSED_LAYOUTS: "int8", "int4", "kivi2", "prerope"), set by the built-in constructors only ("" otherwise:
+    FUSED_LAYOUTS: "int8", "int4", "fp8", "kivi2", "prerope"), set by the built-in constructors only ("" otherwise:
     a Scheme built by hand is read by the torch twin, whatever its name).
     """
     name: str
@@ -294,7 +294,7 @@ def _codec_scheme(name):
             return CodecStored(qt)
         return encode
     return Scheme(name, encoder(0), encoder(1), derived_witness=name in UNIFORM, dither=name in DITHER,
-                  layout=name if name in ("int8", "int4") else "")
+                  layout=name if name in ("int8", "int4") else "fp8" if name.startswith("fp8") else "")
 
 
 def _kivi_scheme():

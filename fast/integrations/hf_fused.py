@@ -12,7 +12,8 @@ and "kvcert_fused" another name of the meter.
 
 What changes against CertifiedCache + the "kvcert" meter (fast.integrations.hf_meter):
 - update() does not rebuild the served fp32 [B, Hkv, N, D] tensors (CertifiedLayer.served): the
-  attention reads the layer's parts in place: int8 or packed int4 codes + fp16 scales, kivi2's 2-bit
+  attention reads the layer's parts in place: int8 or packed int4 codes + fp16 scales, fp8 codes (+ fp32 per-token
+  scales, or vLLM's round-toward-zero casts with their tensor scale), kivi2's 2-bit
   codes + fp16 scales and zeros, or pre-RoPE key codes (rotated at read) + int8 values, and the uint8
   witness codes of the quantized part (segment 0; _codes), and the exact overlay (sinks) + exact tail
   (segment 1, fp32). Which schemes: Scheme.layout in FUSED_LAYOUTS (set by the built-in constructors).
@@ -24,7 +25,7 @@ What changes against CertifiedCache + the "kvcert" meter (fast.integrations.hf_m
   step for all layers, after the last one: cache.records gets one record per (step, layer) as
   with the meter.
 Falls back to the torch twin (hf_meter's decode_step / rows_step, the served fp32 copy), certified
-the same way, where the kernel does not apply: fp8 and registered schemes, the dithered schemes, gates,
+the same way, where the kernel does not apply: registered schemes, the dithered schemes, gates,
 shadow mode, value or box bounds, the subspace witness, non-fp32 models. The first prefill reads the exact
 states with sdpa, as everywhere.
 """
@@ -53,7 +54,7 @@ def enable(model):
 
 
 FLUSH_BLOCK = 32  # tail tokens quantized together once the tail exceeds window + FLUSH_BLOCK
-FUSED_LAYOUTS = cpu_fused.FUSED_SCHEMES + ("kivi2", "prerope")  # Scheme.layout values the kernel reads in place
+FUSED_LAYOUTS = cpu_fused.FUSED_SCHEMES + ("fp8", "kivi2", "prerope")  # Scheme.layout values the kernel reads in place
 
 
 _POS = [torch.zeros(0, dtype=torch.int32)]
@@ -85,7 +86,7 @@ class FusedLayer(CertifiedLayer):
             super()._flush(everything)
 
     def fused_ok(self):
-        """A layout the kernel reads in place (FUSED_LAYOUTS: int8, int4, kivi2, prerope), no gate (so no repaired heads:
+        """A layout the kernel reads in place (FUSED_LAYOUTS: int8, int4, fp8, kivi2, prerope), no gate (so no repaired heads:
         only gates repair), no shadow, no value bound or box form, certified or certify=False, fp32 on
         CPU, kernel built. Fixed for the layer's life: computed once (it is asked
         twice per layer and step)."""
@@ -159,13 +160,15 @@ class FusedLayer(CertifiedLayer):
 
 def _codes(layout, kq, vq):
     """seg()'s arguments for a layer's stored keys and values (Stored payloads of fast.core.schemes / prerope) in the
-    scheme's layout: int8 / int4 QTensor codes + fp16 scales, kivi2's 2-bit codes (keys per channel over blocks
+    scheme's layout: int8 / int4 QTensor codes + fp16 scales, fp8 codes (cpu_fused.fp8_parts), kivi2's 2-bit codes (keys per channel over blocks
     of 32 tokens, values per token group), prerope's pre-RoPE key codes (rotated at read) + int8 values."""
     from fast.core.prerope import PreRopeKeys
     from fast.core.schemes import KiviKeys, KiviValues
     if layout in cpu_fused.FUSED_SCHEMES:
         k, v = kq.qt, vq.qt
         return dict(k=k.codes, v=v.codes, k_scales=k.scales.view(torch.int16), v_scales=v.scales.view(torch.int16))
+    if layout == "fp8":  # fp8 codes (round-to-nearest + per-token scales, or vLLM's round-toward-zero cast)
+        return cpu_fused.fp8_parts(kq.qt, vq.qt)
     if layout == "kivi2" and isinstance(kq, KiviKeys) and isinstance(vq, KiviValues):
         return dict(k_asym=cpu_fused.AsymKeys(kq.get("codes"), kq.get("scale"), kq.get("zero"), 2, KIVI_GROUP),
                     v_asym=cpu_fused.AsymValues(vq.get("codes"), vq.get("scale"), vq.get("zero"), 2))

@@ -9,7 +9,7 @@ backend is replaced by KVCertBackend, whose impl
   exactly what is stored (cpu_fused.paged_witness, in place), per cache slot: rho [num_blocks, Hkv, block_size, NB], a side tensor
   mirroring the paged cache, rewritten whenever the slot is (block reuse, prefix caching,
   preemption and recompute stay right);
-  KVCERT_CODEC=int8 instead owns the cache bytes: KVCertBackend.customize_spec (vLLM's hook for a backend's
+  KVCERT_CODEC=int8 (and fp8_per_token_head: fp8 e4m3 codes, fp32 scales) instead owns the cache bytes: KVCertBackend.customize_spec (vLLM's hook for a backend's
   own page packing) makes each (slot, KV head) of vLLM's paged cache hold int8 key and value codes, their fp16
   scales and the witness's uint8 log codes (packed_row_bytes: 140 bytes for D = 64, 8 bands, against 512 for
   K and V at fp32), so vLLM's block count, capacity and memory accounting see the compressed bytes, and
@@ -52,8 +52,11 @@ Online serving (`vllm serve`): the same switch; two documented vLLM extension po
 Configuration (environment, read in every process; workers inherit it):
   KVCERT_VLLM=1            enable the plugin
   KVCERT_CODEC             fp8_e4m3 (default) | fp8_e5m2 | int8 (one fp16 scale per token and KV head, packed in
-                           vLLM's own page: 3.66x the fp32 cache's tokens per byte) | none (an exact fp32 cache);
-                           fp8 and none are stored decoded in vLLM's fp32 cache (no memory saved)
+                           vLLM's own page: 3.66x the fp32 cache's tokens per byte) | fp8_per_token_head (fp8 e4m3
+                           rounded to nearest with one fp32 scale per token and KV head, as vLLM's GPU backends keep
+                           it, packed the same way: 144 bytes per slot and KV head at D = 64, 3.56x) | none (an exact
+                           fp32 cache); fp8_e4m3 / fp8_e5m2 (vLLM's CPU truncating cast) and none are stored decoded
+                           in vLLM's fp32 cache (no memory saved)
   KVCERT_GATE              none (default) | certified:TAU
   KVCERT_SHADOW=1          also the true TV per (row, head) (needs the exact side store)
   KVCERT_CERTIFY=0         the codec without certificates (the speed baseline)
@@ -100,7 +103,8 @@ from fast.integrations import vllm_fp8
 from fast.policies.gate import parse_gate
 
 ENV = "KVCERT_VLLM"
-CODECS = vllm_fp8.CODECS + ("int8", "none")
+PACKED = ("int8", "fp8_per_token_head")  # codecs whose codes, scales and witness live in vLLM's page
+CODECS = vllm_fp8.CODECS + PACKED + ("none",)
 EXTENSION = "fast.integrations.vllm.KVCertWorker"
 
 
@@ -167,8 +171,9 @@ class Config:
 
     @property
     def packed(self):
-        """int8: the codes, scales and witness live in vLLM's own paged cache (packed_views), not decoded."""
-        return self.codec == "int8"
+        """int8, fp8_per_token_head: the codes, scales and witness live in vLLM's own paged cache (packed_views),
+        not decoded."""
+        return self.codec in PACKED
 
     def side_bytes_per_slot(self, head_size):
         """kvcert's bytes per (cache slot, KV head) outside vLLM's cache: the witness (NB fp32; none when packed:
@@ -178,32 +183,37 @@ class Config:
         return (0 if self.packed else 4 * self.bands) + (2 * 4 * head_size if self.exact_store else 0)
 
     def cache_bytes_per_slot(self, head_size, itemsize=4):
-        """vLLM's cache bytes per (slot, KV head): K and V at the model's dtype, or the packed int8 page."""
-        return packed_row_bytes(head_size, self.bands, self.certify) if self.packed else 2 * head_size * itemsize
+        """vLLM's cache bytes per (slot, KV head): K and V at the model's dtype, or the packed page."""
+        return packed_row_bytes(head_size, self.bands, self.certify, self.codec) if self.packed else 2 * head_size * itemsize
 
 
-def packed_row_bytes(D, NB, certify=True):
-    """Bytes per (cache slot, KV head) of the packed int8 page (KVCERT_CODEC=int8): key and value codes (D bytes
-    each), their fp16 scales (2 bytes each), the witness's uint8 log codes (NB bytes; none without certificates),
-    padded to a multiple of 4 (vLLM views the page at the model's fp32)."""
-    return -(-(2 * D + 4 + (NB if certify else 0)) // 4) * 4
+SCALE_BYTES = {"int8": 2, "fp8_per_token_head": 4}  # one scale per (token, KV head): fp16 (int8), fp32 (fp8)
 
 
-def packed_views(kv_cache, D, NB):
-    """The parts of the packed int8 page (vLLM's cache tensor [num_blocks, Hkv, bs, C] at fp32, C = packed_row_bytes
-    / 4; each (block, KV head) slab of bs C 4 bytes contiguous): per slab, one after the other, key codes [bs, D],
-    value codes [bs, D] (int8), key scales [bs, 1], value scales [bs, 1] (fp16 bits as int16), witness [bs, NB]
-    (uint8 log codes, fast.core.witness.pack_witness; NB = 0: none). Returns (kc, vc, ks, vs, rho) views
-    [num_blocks, Hkv, bs, X] into the cache: writing them writes vLLM's blocks, so block reuse, prefix caching,
-    preemption and vLLM's block copies carry the scales and the witness with the codes."""
+def packed_row_bytes(D, NB, certify=True, codec="int8"):
+    """Bytes per (cache slot, KV head) of the packed page (KVCERT_CODEC=int8 or fp8_per_token_head): key and value
+    codes (D bytes each), their scales (fp16 for int8, fp32 for fp8: SCALE_BYTES each), the witness's uint8 log codes
+    (NB bytes; none without certificates), padded to a multiple of 4 (vLLM views the page at the model's fp32)."""
+    return -(-(2 * D + 2 * SCALE_BYTES[codec] + (NB if certify else 0)) // 4) * 4
+
+
+def packed_views(kv_cache, D, NB, codec="int8"):
+    """The parts of the packed page (vLLM's cache tensor [num_blocks, Hkv, bs, C] at fp32, C = packed_row_bytes / 4;
+    each (block, KV head) slab of bs C 4 bytes contiguous): per slab, one after the other, key codes [bs, D], value
+    codes [bs, D] (int8, or fp8 e4m3 bytes as uint8), key scales [bs, 1], value scales [bs, 1] (int8: fp16 bits as
+    int16; fp8: fp32), witness [bs, NB] (uint8 log codes, fast.core.witness.pack_witness; NB = 0: none). Returns
+    (kc, vc, ks, vs, rho) views [num_blocks, Hkv, bs, X] into the cache: writing them writes vLLM's blocks, so block
+    reuse, prefix caching, preemption and vLLM's block copies carry the scales and the witness with the codes."""
     nb, hkv, bs, c = kv_cache.shape
+    sb = SCALE_BYTES[codec]
     slab = kv_cache.view(torch.uint8).view(nb, hkv, bs * c * kv_cache.element_size())
-    if slab.shape[2] < bs * (2 * D + 4 + NB):
-        raise ValueError(f"kvcert: the cache page holds {slab.shape[2] // bs} bytes per slot, the packed int8 page needs "
-                         f"{2 * D + 4 + NB} (is the KVCertBackend's customize_spec in force?)")
+    if slab.shape[2] < bs * (2 * D + 2 * sb + NB):
+        raise ValueError(f"kvcert: the cache page holds {slab.shape[2] // bs} bytes per slot, the packed {codec} page needs "
+                         f"{2 * D + 2 * sb + NB} (is the KVCertBackend's customize_spec in force?)")
     part = lambda off, width, dt: slab[:, :, off * bs:(off + width) * bs].view(dt).view(nb, hkv, bs, -1)
-    rho = part(2 * D + 4, NB, torch.uint8) if NB else None
-    return (part(0, D, torch.int8), part(D, D, torch.int8), part(2 * D, 2, torch.int16), part(2 * D + 2, 2, torch.int16), rho)
+    rho = part(2 * D + 2 * sb, NB, torch.uint8) if NB else None
+    cd, sd = (torch.int8, torch.int16) if codec == "int8" else (torch.uint8, torch.float32)
+    return (part(0, D, cd), part(D, D, cd), part(2 * D, sb, sd), part(2 * D + sb, sb, sd), rho)
 
 
 def int8_codes(x):
@@ -214,6 +224,29 @@ def int8_codes(x):
     qt = quantize(x.float().masked_fill(bad, 0.0).permute(1, 0, 2)[None], "int8", group_size=x.shape[-1])
     codes, scales = qt.codes[0].permute(1, 0, 2), qt.scales[0].permute(1, 0, 2)
     return codes, scales.masked_fill(bad, float("nan"))
+
+
+def fp8_codes(x):
+    """x [n, Hkv, D] -> (codes: fp8 e4m3 bytes uint8 [n, Hkv, D], scales fp32 [n, Hkv, 1]): fast.core.quant's fp8_e4m3
+    (round to nearest) with one fp32 scale per (token, KV head), as vLLM's fp8_per_token_head (GPU backends) keeps
+    them. A (token, head) holding NaN/Inf gets a NaN scale (its row decodes to NaN: the certified read refuses it)."""
+    bad = ~torch.isfinite(x).all(-1, keepdim=True)
+    qt = quantize(x.float().masked_fill(bad, 0.0).permute(1, 0, 2)[None], "fp8_e4m3", per_token_scale=True)
+    codes, scales = qt.codes[0].permute(1, 0, 2).view(torch.uint8), qt.scales[0].permute(1, 0, 2)
+    return codes, scales.masked_fill(bad, float("nan"))
+
+
+def page_codes(x, codec):
+    """(codes, scales) of x [n, Hkv, D] as the packed page of `codec` stores them (int8_codes, fp8_codes)."""
+    return int8_codes(x) if codec == "int8" else fp8_codes(x)
+
+
+def page_decode(codes, scales, codec):
+    """The fp32 values the packed page's codes and scales stand for, as the fused kernel decodes them: code x scale
+    (int8: exact in fp32; fp8: fl(c s), fast.core.quant.dequantize's product)."""
+    if codec == "int8":
+        return codes.float() * scales.view(torch.float16).float()
+    return codes.view(torch.float8_e4m3fn).float() * scales
 
 
 def parse_fault(text, name="KVCERT_FAULT"):
@@ -262,7 +295,7 @@ def check_engine(cfg, *, dtype, kv_cache_dtype, head_size, attn_type="decoder"):
                          "the plugin does not read back)")
     if kv_cache_dtype != "auto":
         raise ValueError(f"kvcert: kv_cache_dtype={kv_cache_dtype!r} is not supported: use kv_cache_dtype='auto' and "
-                         "KVCERT_CODEC=fp8_e4m3|fp8_e5m2|int8 (the plugin applies the codec itself)")
+                         f"KVCERT_CODEC={'|'.join(c for c in CODECS if c != 'none')} (the plugin applies the codec itself)")
     if head_size % (2 * cfg.bands):
         raise ValueError(f"kvcert: head size {head_size} is not a multiple of 2 * KVCERT_BANDS = {2 * cfg.bands}")
     if str(attn_type).lower() not in ("decoder", "attentiontype.decoder"):
@@ -464,18 +497,19 @@ def _backend_classes():
             return self._view_of[1]
 
         def _packed(self, kv_cache):
-            """(kc, vc, ks, vs, rho) views of the packed int8 page (packed_views); memoized per cache tensor."""
+            """(kc, vc, ks, vs, rho) views of the packed page (packed_views); memoized per cache tensor."""
             got = getattr(self, "_packed_of", None)
             if got is not None and got[0] is kv_cache:
                 return got[1]
-            self._packed_of = (kv_cache, packed_views(kv_cache, self.head_size, self.cfg.bands if self.cfg.certify else 0))
+            self._packed_of = (kv_cache, packed_views(kv_cache, self.head_size, self.cfg.bands if self.cfg.certify else 0,
+                                                      self.cfg.codec))
             return self._packed_of[1]
 
         def _stored(self, kv_cache, blocks, N):
             """(k, v) [Hkv, N, D] fp32 as the cache holds them (decoded when packed) for one request's blocks."""
             if self.packed:
                 kc, vc, ks, vs, _ = self._packed(kv_cache)
-                dec = lambda c, sc: self._gather(c, blocks, N).float() * self._gather(sc.view(torch.float16), blocks, N).float()
+                dec = lambda c, sc: page_decode(self._gather(c, blocks, N), self._gather(sc, blocks, N), self.cfg.codec)
                 return dec(kc, ks), dec(vc, vs)
             kt, vv = self._views(kv_cache)
             k = kt[blocks].permute(1, 0, 3, 2).reshape(self.num_kv_heads, -1, self.head_size)[:, :N]
@@ -488,7 +522,7 @@ def _backend_classes():
             return self._gather(self.rho, blocks, N)
 
         def _write_packed(self, key, value, kv_cache, slot_mapping):
-            """Quantize keys and values [n, Hkv, D] (int8_codes) into the packed page at slot_mapping (< 0: skipped),
+            """Quantize keys and values [n, Hkv, D] (page_codes) into the packed page at slot_mapping (< 0: skipped),
             and the witness of each exact key against exactly the key the page now decodes to (the fault, if any,
             applied to the stored scale: a wrong scale)."""
             ok = slot_mapping >= 0
@@ -497,15 +531,16 @@ def _backend_classes():
             bs = kc.shape[2]
             blk, off = slots // bs, slots % bs
             Hkv = k.shape[1]
-            code, scale = int8_codes(torch.cat([k, v], 1))  # one quantize call for both: per (token, head) all the same
+            codec = self.cfg.codec
+            code, scale = page_codes(torch.cat([k, v], 1), codec)  # one quantize call for both: per (token, head) all the same
             kcode, vcode, kscale, vscale = code[:, :Hkv], code[:, Hkv:], scale[:, :Hkv], scale[:, Hkv:]
             if self.cfg.fault is not None:  # KVCERT_FAULT: a faulty quantizer (demos, tests): a wrong key scale
-                kscale = (kscale.float() * self.cfg.fault).half()
+                kscale = (kscale.float() * self.cfg.fault).to(kscale.dtype)
             kc[blk, :, off], vc[blk, :, off] = kcode, vcode
-            ks[blk, :, off], vs[blk, :, off] = kscale.view(torch.int16), vscale.view(torch.int16)
+            ks[blk, :, off], vs[blk, :, off] = kscale.view(ks.dtype), vscale.view(vs.dtype)
             if rc is None:
                 return
-            stored = kcode.float() * kscale.float()  # what the kernel decodes (exact in fp32)
+            stored = page_decode(kcode, kscale.view(ks.dtype), codec)  # what the kernel decodes
             fin = (torch.isfinite(k).all(-1) & torch.isfinite(stored).all(-1))[..., None]  # [n, Hkv, 1]
             rho = witness(k.masked_fill(~fin, 0.0).permute(1, 0, 2)[None], stored.masked_fill(~fin, 0.0).permute(1, 0, 2)[None],
                           self.band_idx, backend="torch")[0].permute(1, 0, 2)  # [n, Hkv, NB]
@@ -616,7 +651,7 @@ def _backend_classes():
             return self._twin(q, kv_cache, table, N, pos, box_form=self.cfg.box)
 
         def _kernel(self, q, kv_cache, table, N, pos, out, certify):
-            """The fused C++ read in place from the paged cache (fp32 rows, or the packed int8 page) -> (out, stats)."""
+            """The fused C++ read in place from the paged cache (fp32 rows, or the packed page) -> (out, stats)."""
             if getattr(self, "_bands64", None) is None:
                 self._bands64 = self.band_idx.to(torch.int64).contiguous()
             table = table.to(torch.int32)
@@ -624,8 +659,9 @@ def _backend_classes():
             if got is None or got[0] is not kv_cache or got[1] != certify:
                 if self.packed:
                     kc, vc, ks, vs, rc = self._packed(kv_cache)
+                    f8 = cpu_fused.Fp8Read(torch.float8_e4m3fn) if self.cfg.codec != "int8" else None
                     base = cpu_fused.paged_base(k=kc, v=vc, k_scales=ks, v_scales=vs, rho=rc if certify else None,
-                                                k_transposed=False)
+                                                k_transposed=False, fp8=f8)
                 else:
                     kt, vv = self._views(kv_cache)
                     base = cpu_fused.paged_base(k=kt, v=vv, rho=self.rho, k_transposed=True)
@@ -636,7 +672,7 @@ def _backend_classes():
                                   self._bands64, 1, 1, certify, lut=lut, out=out)
 
         def _serve_uncertified(self, query, kv_cache, md, output):
-            """The packed int8 page read by the fused kernel without certificates (KVCERT_CERTIFY=0: the speed
+            """The packed page read by the fused kernel without certificates (KVCERT_CERTIFY=0: the speed
             baseline of the same codes); every request's rows written into vLLM's output."""
             H, D = self.num_heads, self.head_size
             n = md.num_actual_tokens
@@ -782,7 +818,7 @@ def _backend_classes():
 
         @classmethod
         def customize_spec(cls, spec):
-            """vLLM's documented hook for a backend's own page packing: with KVCERT_CODEC=int8 each (slot, KV head)
+            """vLLM's documented hook for a backend's own page packing: with a packed codec (PACKED) each (slot, KV head)
             holds packed_row_bytes (codes, scales, witness) instead of K and V at fp32, so vLLM's block
             count, capacity and memory accounting see the compressed bytes."""
             spec = super().customize_spec(spec)
@@ -790,7 +826,7 @@ def _backend_classes():
             if not (cfg.enabled and cfg.packed) or spec.state_content_bytes is not None:
                 return spec
             from dataclasses import replace
-            return replace(spec, state_content_bytes=packed_row_bytes(spec.head_size, cfg.bands, cfg.certify))
+            return replace(spec, state_content_bytes=packed_row_bytes(spec.head_size, cfg.bands, cfg.certify, cfg.codec))
 
     return KVCertBackend, KVCertImpl
 
@@ -852,10 +888,11 @@ def _cast(x, codec):
     """x [n, Hkv, D] -> the values the cache holds. fp8: vLLM's CPU fp8 cast and read-back (scale 1, vLLM's
     default): fast.core.quant's round-toward-zero codec; fast.integrations.vllm_fp8 is the independent model it
     is tested against. int8: fast.core.quant's int8 with one fp16 scale per (token, KV head) (group = D), as
-    vLLM's int8_per_token_head (GPU backends) keeps one scale per token and head."""
-    if codec == "int8":  # what the packed page decodes to; a (token, head) with NaN/Inf stays non-finite (NaN scale)
-        codes, scales = int8_codes(x)
-        return codes.float() * scales.float()
+    vLLM's int8_per_token_head (GPU backends) keeps one scale per token and head; fp8_per_token_head: its fp8_e4m3
+    (round to nearest) with one fp32 scale per (token, KV head)."""
+    if codec in PACKED:  # what the packed page decodes to; a (token, head) with NaN/Inf stays non-finite (NaN scale)
+        codes, scales = page_codes(x, codec)
+        return page_decode(codes, scales.view(torch.int16) if codec == "int8" else scales, codec)
     return dequantize(quantize(x.float()[None], codec + "_rtz"))[0]
 
 
@@ -1126,11 +1163,10 @@ class KVCertWorker:
                 continue
             written = impl.exact_k.abs().amax(-1) > 0  # [nb, Hkv, bs]: slots holding a token
             codec = impl.cfg.codec
-            if impl.packed:  # the page decoded against fast.core.quant's int8 of the exact key (_cast)
+            if impl.packed:  # the page decoded against fast.core.quant's codec of the exact key (_cast)
                 kc, vc, ks, vs, _ = impl._packed(impl.kv_ref)
-                k_st = (kc.float() * ks.view(torch.float16).float())[written]
-                v_st = (vc.float() * vs.view(torch.float16).float())[written]
-                model = lambda x: _cast(x.view(-1, 1, x.shape[-1]), "int8").view(x.shape)
+                k_st, v_st = page_decode(kc, ks, codec)[written], page_decode(vc, vs, codec)[written]
+                model = lambda x: _cast(x.view(-1, 1, x.shape[-1]), codec).view(x.shape)
             else:
                 kt, vv = impl._views(impl.kv_ref)
                 k_st, v_st = kt.permute(0, 1, 3, 2)[written], vv[written]

@@ -3,7 +3,7 @@
 // witness), no fp32 copy of the history. The floating-point argument is in
 // fast/core/cpu_fused.py (module doc); this file must match it line by line:
 //   logits  x = fl(fl(q . k~) * s), k~ = code * scale (exact in fp32; int4: code = nibble - 8), fl(code * scale + zero) for
-//           asymmetric codes (kivi2, pre-RoPE keys then rotated: asym_row), or the fp32 row; the dot product in
+//           asymmetric codes (kivi2, pre-RoPE keys then rotated: asym_row), the fp8 decode (fp8_row), or the fp32 row; the dot product in
 //           8 fma lanes (lane l: d = l, l + 8, ...) and the tree ((a0+a1)+(a2+a3))+((a4+a5)+(a6+a7))
 //   weights w = kv_exp(fl(x - m))                                           (kv_exp: exhaustively checked)
 //   c       = fl(sum_b kappa_b rho_b)                                       (fp32, nonnegative terms)
@@ -178,6 +178,15 @@ struct Seg {
     // pre-RoPE row at position rpos0 + j, fl(fl(x_d c) + fl(-x_{d+D/2} s)) / fl(fl(x_d c) + fl(x_{d-D/2} s)) with the fp32
     // tables rcos / rsin [rmax, D / 2] (prerope._rotate's operations); null = no rotation
     const float* rcos; const float* rsin; int64_t rpos0;
+    // fp8 codes (coded, fp8 = 1; keys and values alike): bytes [.., N, D], x~ = fl(fl(fl(f8lut[code] * f8pre) * s) * f8post)
+    // with s the token's fp32 scale (ks8 / vs8 [.., N, 1], strides ks_sb / ks_sh and vs_sb / vs_sh) or f8scale when
+    // null: fast.core.quant.dequantize's operations in its order (round-to-nearest codes: pre = post = 1, so fl(c s);
+    // vLLM's round-toward-zero e4m3 cast: c 2^-120 s 2^120). f8lut [256]: the fp32 value of each byte (exact; NaN codes
+    // NaN: the logit / output flag refuses them). The logit bound e takes the decoded rows' own max |k~| (as fp32 rows).
+    int fp8;
+    const float* f8lut;
+    const float* ks8; const float* vs8;
+    float f8scale, f8pre, f8post;
 };
 
 // element offset of token j's row (length len) in an array of the segment with strides (sb, sh)
@@ -321,6 +330,23 @@ inline const float* asym_row(const Seg& sg, bool values, int64_t b, int64_t h, i
     return buf;
 }
 
+// Row jj of an fp8 segment (Seg: fp8) decoded into buf; smax (keys): per channel max |k~| into smax[D + d], as for
+// fp32 rows. Plain scalar operations in one order (the compiler may vectorize them: the same products, so the same bits).
+inline const float* fp8_row(const Seg& sg, bool values, int64_t b, int64_t h, int64_t jj, int64_t D, float* buf, float* smax) {
+    const uint8_t* code = (const uint8_t*)(values ? sg.v : sg.k) + row_off(sg, values ? sg.v_sb : sg.k_sb, values ? sg.v_sh : sg.k_sh, b, h, jj, D);
+    const float* sp = values ? sg.vs8 : sg.ks8;
+    const float s = sp ? sp[row_off(sg, values ? sg.vs_sb : sg.ks_sb, values ? sg.vs_sh : sg.ks_sh, b, h, jj, 1)] : sg.f8scale;
+    const float pre = sg.f8pre, post = sg.f8post;
+    for (int64_t d = 0; d < D; ++d) buf[d] = ((sg.f8lut[code[d]] * pre) * s) * post;
+    if (smax)
+        for (int64_t d = 0; d < D; ++d) smax[D + d] = std::max(smax[D + d], std::fabs(buf[d]));
+    return buf;
+}
+
+// true when a segment's logit bound takes the largest scale of each group times the largest code (int8, int4), false
+// when it takes the decoded rows' own max |k~| (fp32 rows, asymmetric codes, fp8)
+inline bool scale_max(const Seg& sg) { return sg.coded && !sg.kasym && !sg.fp8; }
+
 // Row jj of a segment's keys (values = false) or values, as fp32: code * scale (exact in fp32: 8- or 4-bit code,
 // 11-bit fp16 scale) written into buf, or a pointer to the fp32 row. smax (keys only, may be null):
 // per group max of the scales (codes: smax[g]) or per channel max of |k| (fp32 rows: smax[D + d]).
@@ -342,6 +368,7 @@ inline const float* seg_row(const Seg& sg, bool values, int64_t b, int64_t h, in
         return r;
     }
     if (values ? sg.vasym : sg.kasym) return asym_row(sg, values, b, h, jj, D, ng, buf, smax);
+    if (sg.fp8) return fp8_row(sg, values, b, h, jj, D, buf, smax);
     const uint16_t* sc = values ? sg.vs + row_off(sg, sg.vs_sb, sg.vs_sh, b, h, jj, ng) : sg.ks + row_off(sg, sg.ks_sb, sg.ks_sh, b, h, jj, ng);
     const int64_t gw = D / ng;
     if (sg.int4) {
@@ -604,7 +631,7 @@ void run(const Args& a) {
             int64_t pj[8];
             const float* kp[8];  // kb + t D (codes) or the fp32 row itself
             for (int t = 0; t < 8; ++t)
-                kp[t] = seg_row(sg, false, b, h, j + t, D, sg.coded ? a.ngk : 1, kb + t * D, (sg.coded && !sg.kasym) ? gm : km);
+                kp[t] = seg_row(sg, false, b, h, j + t, D, sg.coded ? a.ngk : 1, kb + t * D, scale_max(sg) ? gm : km);
             block_flags(sg, b, h, j, vj, pj);
             for (int64_t r = 0; r < R; ++r) {
                 const float* qq = &qr[r * D];
@@ -634,7 +661,7 @@ void run(const Args& a) {
             const bool quant = j < N0;
             const Seg& sg = a.seg[quant ? 0 : 1];
             const int64_t jj = quant ? j : j - N0;
-            const float* kr = seg_row(sg, false, b, h, jj, D, quant ? a.ngk : 1, kf, (sg.coded && !sg.kasym) ? gm : km);
+            const float* kr = seg_row(sg, false, b, h, jj, D, quant ? a.ngk : 1, kf, scale_max(sg) ? gm : km);
             const bool vj = !sg.valid || sg.valid[b * sg.va_sb + h * sg.va_sh + jj];
             const int64_t pj = tok_pos(sg, b, h, jj, quant ? 0 : N0);
             for (int64_t r = 0; r < R; ++r) {
@@ -990,7 +1017,7 @@ int epilogue(const double* st, int64_t rows, const EpiConst& k, float* out) {
 
 extern "C" {
 
-int kvcert_fused_abi() { return 2; }
+int kvcert_fused_abi() { return 3; }
 
 int kvcert_fused_avx2() { return KVCERT_AVX2; }
 
