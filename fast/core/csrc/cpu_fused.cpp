@@ -331,15 +331,32 @@ inline const float* asym_row(const Seg& sg, bool values, int64_t b, int64_t h, i
 }
 
 // Row jj of an fp8 segment (Seg: fp8) decoded into buf; smax (keys): per channel max |k~| into smax[D + d], as for
-// fp32 rows. Plain scalar operations in one order (the compiler may vectorize them: the same products, so the same bits).
+// fp32 rows. The AVX2 loop runs the scalar loop's products in its order (the same bits: tests/test_cpu_fused.py).
 inline const float* fp8_row(const Seg& sg, bool values, int64_t b, int64_t h, int64_t jj, int64_t D, float* buf, float* smax) {
     const uint8_t* code = (const uint8_t*)(values ? sg.v : sg.k) + row_off(sg, values ? sg.v_sb : sg.k_sb, values ? sg.v_sh : sg.k_sh, b, h, jj, D);
     const float* sp = values ? sg.vs8 : sg.ks8;
     const float s = sp ? sp[row_off(sg, values ? sg.vs_sb : sg.ks_sb, values ? sg.vs_sh : sg.ks_sh, b, h, jj, 1)] : sg.f8scale;
     const float pre = sg.f8pre, post = sg.f8post;
-    for (int64_t d = 0; d < D; ++d) buf[d] = ((sg.f8lut[code[d]] * pre) * s) * post;
-    if (smax)
-        for (int64_t d = 0; d < D; ++d) smax[D + d] = std::max(smax[D + d], std::fabs(buf[d]));
+    int64_t d = 0;
+#if KVCERT_AVX2
+    // 8 codes at a time: the table gathered by the bytes, then the scalar loop's three products in its order
+    const __m256 pre8 = _mm256_set1_ps(pre), s8 = _mm256_set1_ps(s), post8 = _mm256_set1_ps(post);
+    for (; d + 8 <= D; d += 8) {
+        const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(code + d)));
+        const __m256 c = _mm256_i32gather_ps(sg.f8lut, idx, 4);
+        _mm256_storeu_ps(buf + d, _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(c, pre8), s8), post8));
+    }
+#endif
+    for (; d < D; ++d) buf[d] = ((sg.f8lut[code[d]] * pre) * s) * post;
+    if (smax) {
+        int64_t dd = 0;
+#if KVCERT_AVX2
+        const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        for (; dd + 8 <= D; dd += 8)  // max of nonnegative numbers (a NaN row: the logit flag refuses the read anyway)
+            _mm256_storeu_ps(smax + D + dd, _mm256_max_ps(_mm256_loadu_ps(smax + D + dd), _mm256_and_ps(_mm256_loadu_ps(buf + dd), absm)));
+#endif
+        for (; dd < D; ++dd) smax[D + dd] = std::max(smax[D + dd], std::fabs(buf[dd]));
+    }
     return buf;
 }
 
