@@ -308,10 +308,10 @@ def test_request_tau_is_checked():
         request_tau({"kvcert_tau": 0.1}, Config({"KVCERT_VLLM": "1"}))
 
 
-@pytest.mark.parametrize("codec", ["fp8_e4m3", "int8"])
+@pytest.mark.parametrize("codec", ["fp8_e4m3", "int8", "fp8_per_token_head"])
 def test_vllm_fault_is_flagged_and_repaired(tiny, codec):
     """property (issue 21's silent failure): keys stored times 0.1 after the cast (a wrong scale,
-    KVCERT_FAULT; int8: the wrong scale written into vLLM's packed page) are flagged by the certificate
+    KVCERT_FAULT; int8 and fp8_per_token_head: the wrong scale written into vLLM's packed page) are flagged by the certificate
     (bound before the gate near 1, never below the true TV from the exact keys) and the gate serves the
     flagged heads exactly; mutation: the witness taken before the fault would certify the faulty keys as
     fine and fail the first assertion."""
