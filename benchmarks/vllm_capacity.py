@@ -11,7 +11,8 @@ requests (passkey prompts of ~--filler sentences, --max-tokens greedy tokens eac
 wall seconds, requests/s, generated tokens/s, and for kvcert the certified reads (every read of a quantized
 key, prefill chunks included). Engines: vLLM alone with its fp32 cache (the baseline), kvcert's packed
 int8 page without certificates (KVCERT_CERTIFY=0, the same codes) and with them, the packed fp8 page
-(fp8_per_token_head: e4m3 codes, one fp32 scale per token and KV head) with them; kvcert's fp8 (the
+(fp8_per_token_head: e4m3 codes, one fp32 scale per token and KV head) and the packed int4 page
+(int4_per_token_head: two codes a byte, one fp16 scale per token and KV head) with them; kvcert's fp8 (the
 decoded fp32 store plus its witness: more bytes than vLLM alone) for its capacity only. bf16 is not run (kvcert needs an fp32
 model on CPU; vLLM's CPU bf16 path is another kernel): its capacity is the fp32 engine's twice, at
 2 x 2 D bytes per (slot, KV head), reported as computed.
@@ -29,6 +30,7 @@ ENGINES = {  # name: (make_llm keywords (None: vLLM without kvcert), run the wor
     "kvcert int8, packed page (no certificate)": (dict(codec="int8", certify=False), True),
     "kvcert int8, packed page, certified": (dict(codec="int8"), True),
     "kvcert fp8_per_token_head, packed page, certified": (dict(codec="fp8_per_token_head"), True),
+    "kvcert int4_per_token_head, packed page, certified": (dict(codec="int4_per_token_head"), True),
     "kvcert fp8_e4m3 (decoded fp32 store), certified": (dict(codec="fp8_e4m3"), False),
 }
 
@@ -145,7 +147,8 @@ def main(argv=None):
            "prompt_tokens_median": lens[len(lens) // 2], "max_tokens": args.max_tokens, "tokens_per_request": per_req,
            "bytes_per_slot_kv_head": {"fp32": 2 * 64 * 4, "bf16": 2 * 64 * 2, "int8 packed (certified)": packed_row_bytes(64, 8),
                                       "int8 packed (no certificate)": packed_row_bytes(64, 8, certify=False),
-                                      "fp8_per_token_head packed (certified)": packed_row_bytes(64, 8, True, "fp8_per_token_head")},
+                                      "fp8_per_token_head packed (certified)": packed_row_bytes(64, 8, True, "fp8_per_token_head"),
+                                      "int4_per_token_head packed (certified)": packed_row_bytes(64, 8, True, "int4_per_token_head")},
            "engines": rows}
     if base is not None:
         cap = 2 * base["capacity_tokens"]

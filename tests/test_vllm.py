@@ -308,10 +308,10 @@ def test_request_tau_is_checked():
         request_tau({"kvcert_tau": 0.1}, Config({"KVCERT_VLLM": "1"}))
 
 
-@pytest.mark.parametrize("codec", ["fp8_e4m3", "int8", "fp8_per_token_head"])
+@pytest.mark.parametrize("codec", ["fp8_e4m3", "int8"])
 def test_vllm_fault_is_flagged_and_repaired(tiny, codec):
     """property (issue 21's silent failure): keys stored times 0.1 after the cast (a wrong scale,
-    KVCERT_FAULT; int8 and fp8_per_token_head: the wrong scale written into vLLM's packed page) are flagged by the certificate
+    KVCERT_FAULT; int8: the wrong scale written into vLLM's packed page, the write path of every packed codec) are flagged by the certificate
     (bound before the gate near 1, never below the true TV from the exact keys) and the gate serves the
     flagged heads exactly; mutation: the witness taken before the fault would certify the faulty keys as
     fine and fail the first assertion."""
@@ -419,17 +419,28 @@ def test_vllm_int8_owns_the_cache_bytes(tiny):
     assert all(o.kvcert["reads"] > 0 for o in outs[True]) and all(o.kvcert is None for o in outs[False])
 
 
-def test_vllm_fp8_per_token_head_owns_the_cache_bytes_and_is_sound(tiny):
+def _int4_model(k):
+    """An independent model of the int4_per_token_head page (from its definition, not the library's code): per (KV
+    head, token) the smallest fp16 scale >= max |k| / 7, codes round-half-even(k / scale) in [-7, 7]."""
+    s = k.abs().amax(-1, keepdim=True).double() / 7
+    s16 = s.half()
+    s16 = torch.where(s16.double() < s, torch.nextafter(s16, torch.tensor(float("inf"), dtype=torch.float16)), s16)
+    return torch.round(k / s16.float()).clamp(-7, 7) * s16.float()
+
+
+@pytest.mark.parametrize("codec, page_bytes, model", [("fp8_per_token_head", 144, _fp8_model),
+                                                      ("int4_per_token_head", 76, _int4_model)])
+def test_vllm_packed_page_owns_the_cache_bytes_and_is_sound(tiny, codec, page_bytes, model):
     """KVCERT_CODEC=fp8_per_token_head (e4m3 round to nearest, one fp32 scale per token and KV head, as vLLM's GPU
-    backends keep it) packs codes, scales and witness into vLLM's page: 144 bytes per (slot, KV head), every byte of
-    vLLM's cache is that page; the page decodes to fast.core.quant's fp8_e4m3 of every exact key and value written
-    (kvcert_check_store); under chunked prefill and preemption every row's bound is >= the true TV from the exact
-    side store, and >= the TV against HF transformers' exact keys with the codec modelled independently
-    (_fp8_model)."""
+    backends keep it) and int4_per_token_head (two codes a byte, one fp16 scale per token and KV head) pack codes,
+    scales and witness into vLLM's page: 144 / 76 bytes per (slot, KV head), every byte of vLLM's cache is that page;
+    the page decodes to fast.core.quant's codec of every exact key and value written (kvcert_check_store); under
+    chunked prefill and preemption every row's bound is >= the true TV from the exact side store, and >= the TV
+    against HF transformers' exact keys with the codec modelled independently (_fp8_model, _int4_model)."""
     from fast.integrations.vllm import packed_row_bytes
-    page = 2 * 2 * 32 * packed_row_bytes(64, 8, True, "fp8_per_token_head")
-    assert packed_row_bytes(64, 8, True, "fp8_per_token_head") == 144
-    llm = _engine(tiny, codec="fp8_per_token_head", shadow=True, num_gpu_blocks_override=9)
+    assert packed_row_bytes(64, 8, True, codec) == page_bytes
+    page = 2 * 2 * 32 * page_bytes
+    llm = _engine(tiny, codec=codec, shadow=True, num_gpu_blocks_override=9)
     outs = _generate(llm, n=8)
     parts = collect(llm)
     ((checked, bad),) = llm.collective_rpc("kvcert_check_store")
@@ -441,7 +452,7 @@ def test_vllm_fp8_per_token_head_owns_the_cache_bytes_and_is_sound(tiny):
     recs = [r for p in parts for r in p["records"]]
     tv, bound = _cat(recs, "true_tv"), _cat(recs, "bound")
     assert tv.size > 1500 and float(tv.max()) > 1e-5 and not (tv > bound).any()
-    n, worst, top = _worst_against_transformers(tiny, outs, recs, _fp8_model)
+    n, worst, top = _worst_against_transformers(tiny, outs, recs, model)
     assert n > 1500 and top > 1e-5 and worst <= 1e-5, (n, worst, top)
 
 
@@ -449,7 +460,7 @@ def test_vllm_fp8_per_token_head_owns_the_cache_bytes_and_is_sound(tiny):
     ({"dtype": "bfloat16"}, "model dtype"),
     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8'"),
     ({"attention_backend": "TORCH_SDPA"}, "attention_backend"),
-    ({"codec": "int3"}, "codec='int3': expected one of fp8_e4m3, fp8_e5m2, int8, fp8_per_token_head, none"),
+    ({"codec": "int3"}, "codec='int3': expected one of fp8_e4m3, fp8_e5m2, int8, int4_per_token_head, fp8_per_token_head, none"),
     ({"box": True, "certify": False}, "the box form need certificates"),
     ({"gate": "certified:2"}, "TAU must be in [0, 1]"),
     ({"gate": "certfied:0.2"}, "gate='certfied:0.2': unknown gate"),

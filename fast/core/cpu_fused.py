@@ -562,11 +562,13 @@ def _asym_seg(Hkv, n, c, keep, k, v, k_scales, v_scales, ka, va, rho, valid, exa
     return _witness_and_flags(c, keep, B, Hkv, n, rho, valid, exact, pos)
 
 
-def paged_seg(n, *, table, k=None, v=None, rho=None, k_transposed=None, k_scales=None, v_scales=None, base=None, fp8=None):
+def paged_seg(n, *, table, k=None, v=None, rho=None, k_transposed=None, k_scales=None, v_scales=None, base=None, fp8=None,
+              int4=False):
     """A segment read in place from a paged cache: fp32 k [num_blocks, Hkv, D, bs] (k_transposed: vLLM's CPU
     layout) or [num_blocks, Hkv, bs, D], v [num_blocks, Hkv, bs, D]; or int8 codes k, v [num_blocks, Hkv, bs, D]
     with their fp16 (or int16-viewed) scales k_scales, v_scales [num_blocks, Hkv, bs, ng] (kvcert's packed vLLM
-    cache: fast.integrations.vllm), or fp8 codes (fp8 = Fp8Read(...): k, v their uint8 bytes [num_blocks, Hkv, bs, D],
+    cache: fast.integrations.vllm), or with int4=True packed int4 codes uint8 [num_blocks, Hkv, bs, D / 2] (quant's
+    layout: low nibble = even channel) with such scales, or fp8 codes (fp8 = Fp8Read(...): k, v their uint8 bytes [num_blocks, Hkv, bs, D],
     k_scales, v_scales fp32 [num_blocks, Hkv, bs, 1] or both None); rho fp32 or uint8 log codes [num_blocks, Hkv, bs, NB] or None. Each
     (block, head) slab of each tensor holds its bs rows contiguously (rows of X elements at stride X); table int32
     [B, >= ceil(n / bs)] the blocks of each sequence (checked against num_blocks: the kernel trusts it).
@@ -575,7 +577,8 @@ def paged_seg(n, *, table, k=None, v=None, rho=None, k_transposed=None, k_scales
     the table check every call. base: paged_base(...)'s result in place of the cache tensors (a serving loop
     keeps it per cache tensor and skips even the memo's key)."""
     if base is None:
-        base = paged_base(k=k, v=v, rho=rho, k_transposed=k_transposed, k_scales=k_scales, v_scales=v_scales, fp8=fp8)
+        base = paged_base(k=k, v=v, rho=rho, k_transposed=k_transposed, k_scales=k_scales, v_scales=v_scales, fp8=fp8,
+                          int4=int4)
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"paged_seg: n must be an integer >= 0, got {n!r}")
     if n == 0:
@@ -594,14 +597,15 @@ def paged_seg(n, *, table, k=None, v=None, rho=None, k_transposed=None, k_scales
     return {**base, "c": c, "table": table, "B": table.shape[0]}
 
 
-def paged_base(*, k, v, rho, k_transposed, k_scales=None, v_scales=None, fp8=None):
+def paged_base(*, k, v, rho, k_transposed, k_scales=None, v_scales=None, fp8=None, int4=False):
     """paged_seg's checks of the cache tensors, once: a dict for paged_seg(base=...) that keeps them alive."""
     if fp8 is not None:
         return _paged_base_fp8(k, v, rho, k_transposed, k_scales, v_scales, fp8)
     if not isinstance(v, torch.Tensor) or v.dim() != 4 or min(v.shape) < 1:
         raise ValueError(f"v: [num_blocks, Hkv, bs, D], got {getattr(v, 'shape', v)}")
     nb, Hkv, bs = v.shape[0], v.shape[1], v.shape[2]
-    _check_head_dim(v.shape[3])
+    D = v.shape[3] * (2 if int4 else 1)
+    _check_head_dim(D)
     for name, t in (("k", k), ("rho", rho), ("k_scales", k_scales), ("v_scales", v_scales)):
         if (t is not None or name == "k") and not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}: expected a tensor, got {type(t).__name__}")
@@ -610,10 +614,10 @@ def paged_base(*, k, v, rho, k_transposed, k_scales=None, v_scales=None, fp8=Non
     if v_scales is not None:
         v_scales = v_scales.view(torch.int16) if v_scales.dtype == torch.float16 else v_scales
     meta = lambda t: None if t is None else (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.device.type)
-    c = _paged_base(*(meta(t) for t in (k, v, rho, k_scales, v_scales)), bool(k_transposed))
+    c = _paged_base(*(meta(t) for t in (k, v, rho, k_scales, v_scales)), bool(k_transposed), bool(int4))
     ng = (k_scales.shape[3], v_scales.shape[3]) if c.coded else (1, 1)
     return {"Hkv": Hkv, "c": c, "k": k, "v": v, "rho": rho, "ks": k_scales, "vs": v_scales, "nb": nb, "bs": bs,
-            "D": v.shape[3], "ng": ng, "NB": None if rho is None else rho.shape[3]}
+            "D": D, "ng": ng, "NB": None if rho is None else rho.shape[3]}
 
 
 def _paged_base_fp8(k, v, rho, k_transposed, k_scales, v_scales, f8):
@@ -663,20 +667,23 @@ def _paged_base_fp8(k, v, rho, k_transposed, k_scales, v_scales, f8):
 
 
 @functools.lru_cache(maxsize=64)
-def _paged_base(k, v, rho, ks, vs, k_transposed):
+def _paged_base(k, v, rho, ks, vs, k_transposed, int4=False):
     """The _Seg fields of a paged cache from (data_ptr, dtype, shape, stride, device) of k, v, rho, k_scales,
-    v_scales (rho and the scales may be None), after paged_seg's checks; n and the table are the caller's."""
-    nb, Hkv, bs, D = v[2]
+    v_scales (rho and the scales may be None), after paged_seg's checks; n and the table are the caller's.
+    int4: k, v are packed int4 codes uint8 [num_blocks, Hkv, bs, D / 2]."""
+    nb, Hkv, bs, W = v[2]
+    D = 2 * W if int4 else W
     c = _Seg()
-    coded = v[1] == torch.int8
+    coded = int4 or v[1] == torch.int8
     if coded and (k_transposed or ks is None or vs is None):
-        raise ValueError("int8 codes: k [num_blocks, Hkv, bs, D] (not transposed) with k_scales and v_scales")
+        raise ValueError(f"{'int4' if int4 else 'int8'} codes: k [num_blocks, Hkv, bs, W] (not transposed) with k_scales "
+                         "and v_scales")
     if not coded and (ks is not None or vs is not None):
         raise ValueError("k_scales / v_scales: only with int8 codes")
-    want_k = (nb, Hkv, D, bs) if k_transposed else (nb, Hkv, bs, D)
-    rows = (torch.int8,) if coded else (torch.float32,)
-    rows_what = "int8 codes" if coded else "fp32"
-    for name, t, shape, dtypes in (("k", k, want_k, rows), ("v", v, (nb, Hkv, bs, D), rows),
+    want_k = (nb, Hkv, D, bs) if k_transposed else (nb, Hkv, bs, W)
+    rows = (torch.uint8,) if int4 else (torch.int8,) if coded else (torch.float32,)
+    rows_what = "packed int4 codes (uint8)" if int4 else "int8 codes" if coded else "fp32"
+    for name, t, shape, dtypes in (("k", k, want_k, rows), ("v", v, (nb, Hkv, bs, W), rows),
                                    ("rho", rho, (nb, Hkv, bs, None), (torch.float32, torch.uint8)),
                                    ("ks", ks, (nb, Hkv, bs, None), (torch.int16,)), ("vs", vs, (nb, Hkv, bs, None), (torch.int16,))):
         if t is None:
@@ -696,7 +703,7 @@ def _paged_base(k, v, rho, ks, vs, k_transposed):
         setattr(c, field + "_sh", st[1])
     if rho is not None:
         c.rho_u8 = int(rho[1] == torch.uint8)
-    c.coded = int(coded)
+    c.coded, c.int4 = int(coded), int(int4)
     c.bs, c.k_t = bs, int(k_transposed)
     c.bs_log2 = bs.bit_length() - 1 if bs & (bs - 1) == 0 else -1
     return c

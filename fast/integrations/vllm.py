@@ -9,7 +9,7 @@ backend is replaced by KVCertBackend, whose impl
   exactly what is stored (cpu_fused.paged_witness, in place), per cache slot: rho [num_blocks, Hkv, block_size, NB], a side tensor
   mirroring the paged cache, rewritten whenever the slot is (block reuse, prefix caching,
   preemption and recompute stay right);
-  KVCERT_CODEC=int8 (and fp8_per_token_head: fp8 e4m3 codes, fp32 scales) instead owns the cache bytes: KVCertBackend.customize_spec (vLLM's hook for a backend's
+  KVCERT_CODEC=int8 (and int4_per_token_head, fp8_per_token_head: PACKED) instead owns the cache bytes: KVCertBackend.customize_spec (vLLM's hook for a backend's
   own page packing) makes each (slot, KV head) of vLLM's paged cache hold int8 key and value codes, their fp16
   scales and the witness's uint8 log codes (packed_row_bytes: 140 bytes for D = 64, 8 bands, against 512 for
   K and V at fp32), so vLLM's block count, capacity and memory accounting see the compressed bytes, and
@@ -54,7 +54,9 @@ Configuration (environment, read in every process; workers inherit it):
   KVCERT_CODEC             fp8_e4m3 (default) | fp8_e5m2 | int8 (one fp16 scale per token and KV head, packed in
                            vLLM's own page: 3.66x the fp32 cache's tokens per byte) | fp8_per_token_head (fp8 e4m3
                            rounded to nearest with one fp32 scale per token and KV head, as vLLM's GPU backends keep
-                           it, packed the same way: 144 bytes per slot and KV head at D = 64, 3.56x) | none (an exact
+                           it, packed the same way: 144 bytes per slot and KV head at D = 64, 3.56x) |
+                           int4_per_token_head (int4 codes two a byte, one fp16 scale per token and KV head: 76
+                           bytes, 6.74x) | none (an exact
                            fp32 cache); fp8_e4m3 / fp8_e5m2 (vLLM's CPU truncating cast) and none are stored decoded
                            in vLLM's fp32 cache (no memory saved)
   KVCERT_GATE              none (default) | certified:TAU
@@ -103,7 +105,7 @@ from fast.integrations import vllm_fp8
 from fast.policies.gate import parse_gate
 
 ENV = "KVCERT_VLLM"
-PACKED = ("int8", "fp8_per_token_head")  # codecs whose codes, scales and witness live in vLLM's page
+PACKED = ("int8", "int4_per_token_head", "fp8_per_token_head")  # codes, scales and witness in vLLM's page
 CODECS = vllm_fp8.CODECS + PACKED + ("none",)
 EXTENSION = "fast.integrations.vllm.KVCertWorker"
 
@@ -171,7 +173,7 @@ class Config:
 
     @property
     def packed(self):
-        """int8, fp8_per_token_head: the codes, scales and witness live in vLLM's own paged cache (packed_views),
+        """int8, int4_per_token_head, fp8_per_token_head: the codes, scales and witness live in vLLM's own paged cache (packed_views),
         not decoded."""
         return self.codec in PACKED
 
@@ -187,33 +189,36 @@ class Config:
         return packed_row_bytes(head_size, self.bands, self.certify, self.codec) if self.packed else 2 * head_size * itemsize
 
 
-SCALE_BYTES = {"int8": 2, "fp8_per_token_head": 4}  # one scale per (token, KV head): fp16 (int8), fp32 (fp8)
+SCALE_BYTES = {"int8": 2, "int4_per_token_head": 2, "fp8_per_token_head": 4}  # one scale per (token, KV head): fp16, fp32 (fp8)
+CODE_BYTES = {"int8": 1, "int4_per_token_head": 0.5, "fp8_per_token_head": 1}  # per channel
 
 
 def packed_row_bytes(D, NB, certify=True, codec="int8"):
-    """Bytes per (cache slot, KV head) of the packed page (KVCERT_CODEC=int8 or fp8_per_token_head): key and value
-    codes (D bytes each), their scales (fp16 for int8, fp32 for fp8: SCALE_BYTES each), the witness's uint8 log codes
-    (NB bytes; none without certificates), padded to a multiple of 4 (vLLM views the page at the model's fp32)."""
-    return -(-(2 * D + 2 * SCALE_BYTES[codec] + (NB if certify else 0)) // 4) * 4
+    """Bytes per (cache slot, KV head) of the packed page (KVCERT_CODEC in PACKED): key and value codes (D bytes each,
+    D / 2 for int4: CODE_BYTES), their scales (fp16 for int8 and int4, fp32 for fp8: SCALE_BYTES each), the witness's
+    uint8 log codes (NB bytes; none without certificates), padded to a multiple of 4 (vLLM views the page at the
+    model's fp32)."""
+    return -(-(2 * int(D * CODE_BYTES[codec]) + 2 * SCALE_BYTES[codec] + (NB if certify else 0)) // 4) * 4
 
 
 def packed_views(kv_cache, D, NB, codec="int8"):
     """The parts of the packed page (vLLM's cache tensor [num_blocks, Hkv, bs, C] at fp32, C = packed_row_bytes / 4;
-    each (block, KV head) slab of bs C 4 bytes contiguous): per slab, one after the other, key codes [bs, D], value
-    codes [bs, D] (int8, or fp8 e4m3 bytes as uint8), key scales [bs, 1], value scales [bs, 1] (int8: fp16 bits as
-    int16; fp8: fp32), witness [bs, NB] (uint8 log codes, fast.core.witness.pack_witness; NB = 0: none). Returns
+    each (block, KV head) slab of bs C 4 bytes contiguous): per slab, one after the other, key codes [bs, W], value
+    codes [bs, W] (int8, W = D; int4: two codes a byte, uint8, W = D / 2; fp8 e4m3 bytes as uint8, W = D), key scales
+    [bs, 1], value scales [bs, 1] (int8 and int4: fp16 bits as int16; fp8: fp32), witness [bs, NB] (uint8 log codes, fast.core.witness.pack_witness; NB = 0: none). Returns
     (kc, vc, ks, vs, rho) views [num_blocks, Hkv, bs, X] into the cache: writing them writes vLLM's blocks, so block
     reuse, prefix caching, preemption and vLLM's block copies carry the scales and the witness with the codes."""
     nb, hkv, bs, c = kv_cache.shape
-    sb = SCALE_BYTES[codec]
+    sb, W = SCALE_BYTES[codec], int(D * CODE_BYTES[codec])
     slab = kv_cache.view(torch.uint8).view(nb, hkv, bs * c * kv_cache.element_size())
-    if slab.shape[2] < bs * (2 * D + 2 * sb + NB):
+    if slab.shape[2] < bs * (2 * W + 2 * sb + NB):
         raise ValueError(f"kvcert: the cache page holds {slab.shape[2] // bs} bytes per slot, the packed {codec} page needs "
-                         f"{2 * D + 2 * sb + NB} (is the KVCertBackend's customize_spec in force?)")
+                         f"{2 * W + 2 * sb + NB} (is the KVCertBackend's customize_spec in force?)")
     part = lambda off, width, dt: slab[:, :, off * bs:(off + width) * bs].view(dt).view(nb, hkv, bs, -1)
-    rho = part(2 * D + 2 * sb, NB, torch.uint8) if NB else None
-    cd, sd = (torch.int8, torch.int16) if codec == "int8" else (torch.uint8, torch.float32)
-    return (part(0, D, cd), part(D, D, cd), part(2 * D, sb, sd), part(2 * D + sb, sb, sd), rho)
+    rho = part(2 * W + 2 * sb, NB, torch.uint8) if NB else None
+    cd, sd = {"int8": (torch.int8, torch.int16), "int4_per_token_head": (torch.uint8, torch.int16),
+              "fp8_per_token_head": (torch.uint8, torch.float32)}[codec]
+    return (part(0, W, cd), part(W, W, cd), part(2 * W, sb, sd), part(2 * W + sb, sb, sd), rho)
 
 
 def int8_codes(x):
@@ -236,16 +241,30 @@ def fp8_codes(x):
     return codes, scales.masked_fill(bad, float("nan"))
 
 
+def int4_codes(x):
+    """x [n, Hkv, D] -> (codes uint8 [n, Hkv, D / 2], two per byte, low nibble = even channel, code = nibble - 8; scales
+    fp16 [n, Hkv, 1]): fast.core.quant's int4 with one scale per (token, KV head), as vLLM's int4_per_token_head keeps
+    one scale per token and head. A (token, head) holding NaN/Inf gets a NaN scale (the certified read refuses it)."""
+    bad = ~torch.isfinite(x).all(-1, keepdim=True)
+    qt = quantize(x.float().masked_fill(bad, 0.0).permute(1, 0, 2)[None], "int4", group_size=x.shape[-1])
+    codes, scales = qt.codes[0].permute(1, 0, 2), qt.scales[0].permute(1, 0, 2)
+    return codes, scales.masked_fill(bad, float("nan"))
+
+
 def page_codes(x, codec):
-    """(codes, scales) of x [n, Hkv, D] as the packed page of `codec` stores them (int8_codes, fp8_codes)."""
-    return int8_codes(x) if codec == "int8" else fp8_codes(x)
+    """(codes, scales) of x [n, Hkv, D] as the packed page of `codec` stores them (int8_codes, int4_codes, fp8_codes)."""
+    return {"int8": int8_codes, "int4_per_token_head": int4_codes, "fp8_per_token_head": fp8_codes}[codec](x)
 
 
 def page_decode(codes, scales, codec):
     """The fp32 values the packed page's codes and scales stand for, as the fused kernel decodes them: code x scale
-    (int8: exact in fp32; fp8: fl(c s), fast.core.quant.dequantize's product)."""
+    (int8, int4: exact in fp32; fp8: fl(c s), fast.core.quant.dequantize's product). scales: the page's views (int16
+    bits of fp16 for int8 and int4, fp32 for fp8)."""
     if codec == "int8":
         return codes.float() * scales.view(torch.float16).float()
+    if codec == "int4_per_token_head":
+        c = torch.stack([codes & 15, codes >> 4], -1).flatten(-2).float() - 8  # channel 2 i: low nibble of byte i
+        return c * scales.view(torch.float16).float()
     return codes.view(torch.float8_e4m3fn).float() * scales
 
 
@@ -659,9 +678,9 @@ def _backend_classes():
             if got is None or got[0] is not kv_cache or got[1] != certify:
                 if self.packed:
                     kc, vc, ks, vs, rc = self._packed(kv_cache)
-                    f8 = cpu_fused.Fp8Read(torch.float8_e4m3fn) if self.cfg.codec != "int8" else None
+                    f8 = cpu_fused.Fp8Read(torch.float8_e4m3fn) if self.cfg.codec == "fp8_per_token_head" else None
                     base = cpu_fused.paged_base(k=kc, v=vc, k_scales=ks, v_scales=vs, rho=rc if certify else None,
-                                                k_transposed=False, fp8=f8)
+                                                k_transposed=False, fp8=f8, int4=self.cfg.codec == "int4_per_token_head")
                 else:
                     kt, vv = self._views(kv_cache)
                     base = cpu_fused.paged_base(k=kt, v=vv, rho=self.rho, k_transposed=True)
@@ -888,11 +907,12 @@ def _cast(x, codec):
     """x [n, Hkv, D] -> the values the cache holds. fp8: vLLM's CPU fp8 cast and read-back (scale 1, vLLM's
     default): fast.core.quant's round-toward-zero codec; fast.integrations.vllm_fp8 is the independent model it
     is tested against. int8: fast.core.quant's int8 with one fp16 scale per (token, KV head) (group = D), as
-    vLLM's int8_per_token_head (GPU backends) keeps one scale per token and head; fp8_per_token_head: its fp8_e4m3
-    (round to nearest) with one fp32 scale per (token, KV head)."""
+    vLLM's int8_per_token_head (GPU backends) keeps one scale per token and head; int4_per_token_head: its int4 with
+    one fp16 scale per (token, KV head); fp8_per_token_head: its fp8_e4m3 (round to nearest) with one fp32 scale per
+    (token, KV head)."""
     if codec in PACKED:  # what the packed page decodes to; a (token, head) with NaN/Inf stays non-finite (NaN scale)
         codes, scales = page_codes(x, codec)
-        return page_decode(codes, scales.view(torch.int16) if codec == "int8" else scales, codec)
+        return page_decode(codes, scales if codec == "fp8_per_token_head" else scales.view(torch.int16), codec)
     return dequantize(quantize(x.float()[None], codec + "_rtz"))[0]
 
 
