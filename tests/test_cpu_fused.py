@@ -934,6 +934,18 @@ def test_asym_bad_inputs_one_value_error(what):
         cpu_fused.seg(1, 32, **bad)
 
 
+def _paged_slab(g, B, Hkv, N, bs, row, fill):
+    """A block table [B, ceil(N / bs) + 2] over shuffled blocks (2 spare columns) and a byte page of `row` bytes per
+    (slot, head), one slab per (block, head) filled with `fill`; part(off, width, dtype) views bytes [off, off + width)
+    of every slot as [num_blocks, Hkv, bs, X] (kvcert's packed vLLM page)."""
+    nblk = -(-N // bs)
+    nb = B * nblk + 3
+    perm = torch.randperm(nb, generator=g)[: B * nblk].view(B, nblk).to(torch.int32)
+    table = torch.cat([perm, torch.full((B, 2), nb - 1, dtype=torch.int32)], 1).contiguous()
+    slab = torch.full((nb, Hkv, bs * row), fill, dtype=torch.uint8)
+    return table, lambda off, width, dt: slab[:, :, off * bs: (off + width) * bs].view(dt).view(nb, Hkv, bs, -1)
+
+
 @settings(max_examples=25, deadline=None)
 @given(case=PAGED, ng=st.sampled_from([1, 2]), u8=st.booleans())
 def test_paged_int8_codes_same_bits_as_contiguous(case, ng, u8):
@@ -951,13 +963,7 @@ def test_paged_int8_codes_same_bits_as_contiguous(case, ng, u8):
     else:
         rho = torch.rand(B, Hkv, N, NB, generator=g) * 1e-2
     rb = rho.element_size() * NB
-    nblk = -(-N // bs)
-    nb = B * nblk + 3
-    perm = torch.randperm(nb, generator=g)[: B * nblk].view(B, nblk).to(torch.int32)
-    table = torch.cat([perm, torch.full((B, 2), nb - 1, dtype=torch.int32)], 1).contiguous()
-    row = 2 * D + 4 * ng + rb  # bytes per (slot, head)
-    slab = torch.full((nb, Hkv, bs * row), 0x7F, dtype=torch.uint8)  # unused slots: garbage codes
-    part = lambda off, width, dt: slab[:, :, off * bs: (off + width) * bs].view(dt).view(nb, Hkv, bs, -1)
+    table, part = _paged_slab(g, B, Hkv, N, bs, 2 * D + 4 * ng + rb, 0x7F)  # unused slots: garbage codes
     kc, vc = part(0, D, torch.int8), part(D, D, torch.int8)
     ks, vs = part(2 * D, 2 * ng, torch.int16), part(2 * D + 2 * ng, 2 * ng, torch.int16)
     rc = part(2 * D + 4 * ng, rb, rho.dtype)
@@ -1139,14 +1145,8 @@ def test_paged_fp8_codes_same_bits_as_contiguous(case, scheme, u8):
     rho = (torch.randint(0, 200, (B, Hkv, N, NB), generator=g, dtype=torch.uint8) if u8
            else torch.rand(B, Hkv, N, NB, generator=g) * 1e-2)
     rb = rho.element_size() * NB
-    nblk = -(-N // bs)
-    nb = B * nblk + 3
-    perm = torch.randperm(nb, generator=g)[: B * nblk].view(B, nblk).to(torch.int32)
-    table = torch.cat([perm, torch.full((B, 2), nb - 1, dtype=torch.int32)], 1).contiguous()
     sw = 4 if scaled else 0
-    row = 2 * D + 2 * sw + rb  # bytes per (slot, head)
-    slab = torch.full((nb, Hkv, bs * row), 0x7F, dtype=torch.uint8)  # unused slots: NaN codes
-    part = lambda off, width, dt: slab[:, :, off * bs: (off + width) * bs].view(dt).view(nb, Hkv, bs, -1)
+    table, part = _paged_slab(g, B, Hkv, N, bs, 2 * D + 2 * sw + rb, 0x7F)  # unused slots: NaN codes
     kc, vc = part(0, D, torch.uint8), part(D, D, torch.uint8)
     ks, vs = (part(2 * D, sw, torch.float32), part(2 * D + sw, sw, torch.float32)) if scaled else (None, None)
     rc = part(2 * D + 2 * sw, rb, rho.dtype)
@@ -1205,13 +1205,7 @@ def test_paged_int4_codes_same_bits_as_contiguous(case, u8):
     rho = (torch.randint(0, 200, (B, Hkv, N, NB), generator=g, dtype=torch.uint8) if u8
            else torch.rand(B, Hkv, N, NB, generator=g) * 1e-2)
     rb, W = rho.element_size() * NB, D // 2
-    nblk = -(-N // bs)
-    nb = B * nblk + 3
-    perm = torch.randperm(nb, generator=g)[: B * nblk].view(B, nblk).to(torch.int32)
-    table = torch.cat([perm, torch.full((B, 2), nb - 1, dtype=torch.int32)], 1).contiguous()
-    row = 2 * W + 4 + rb  # bytes per (slot, head)
-    slab = torch.full((nb, Hkv, bs * row), 0x77, dtype=torch.uint8)  # unused slots: garbage codes
-    part = lambda off, width, dt: slab[:, :, off * bs: (off + width) * bs].view(dt).view(nb, Hkv, bs, -1)
+    table, part = _paged_slab(g, B, Hkv, N, bs, 2 * W + 4 + rb, 0x77)  # unused slots: garbage codes
     kc, vc = part(0, W, torch.uint8), part(W, W, torch.uint8)
     ks, vs = part(2 * W, 2, torch.int16), part(2 * W + 2, 2, torch.int16)
     rc = part(2 * W + 4, rb, rho.dtype)

@@ -257,6 +257,17 @@ inline __m256i codes8(const uint8_t* code, int bits, int64_t d) {
 }
 #endif
 
+// per channel max |x| of a decoded row into m[0, D) (the logit bound of rows decoded in the kernel)
+inline void abs_max_into(const float* x, int64_t D, float* m) {
+    int64_t d = 0;
+#if KVCERT_AVX2
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (; d + 8 <= D; d += 8)  // max of nonnegative numbers (a NaN row: the logit flag refuses the read anyway)
+        _mm256_storeu_ps(m + d, _mm256_max_ps(_mm256_loadu_ps(m + d), _mm256_and_ps(_mm256_loadu_ps(x + d), absm)));
+#endif
+    for (; d < D; ++d) m[d] = std::max(m[d], std::fabs(x[d]));
+}
+
 // Row jj of an asymmetric segment (Seg: kasym / vasym): x~ = fl(code * scale + zero) into buf, keys rotated when the segment
 // has RoPE tables; smax (keys): per channel max |k~| into smax[D + d], as for fp32 rows. The AVX2 loop computes the same
 // products and sums as the scalar one (the fp16 scales and zeros converted exactly either way), so the same bits.
@@ -318,15 +329,7 @@ inline const float* asym_row(const Seg& sg, bool values, int64_t b, int64_t h, i
             buf[i + hd] = c2 + d2;
         }
     }
-    if (smax) {
-        int64_t dd = 0;
-#if KVCERT_AVX2
-        const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-        for (; dd + 8 <= D; dd += 8)  // max of nonnegative numbers (a NaN row: the logit flag refuses the read anyway)
-            _mm256_storeu_ps(smax + D + dd, _mm256_max_ps(_mm256_loadu_ps(smax + D + dd), _mm256_and_ps(_mm256_loadu_ps(buf + dd), absm)));
-#endif
-        for (; dd < D; ++dd) smax[D + dd] = std::max(smax[D + dd], std::fabs(buf[dd]));
-    }
+    if (smax) abs_max_into(buf, D, smax + D);
     return buf;
 }
 
@@ -348,15 +351,7 @@ inline const float* fp8_row(const Seg& sg, bool values, int64_t b, int64_t h, in
     }
 #endif
     for (; d < D; ++d) buf[d] = ((sg.f8lut[code[d]] * pre) * s) * post;
-    if (smax) {
-        int64_t dd = 0;
-#if KVCERT_AVX2
-        const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-        for (; dd + 8 <= D; dd += 8)  // max of nonnegative numbers (a NaN row: the logit flag refuses the read anyway)
-            _mm256_storeu_ps(smax + D + dd, _mm256_max_ps(_mm256_loadu_ps(smax + D + dd), _mm256_and_ps(_mm256_loadu_ps(buf + dd), absm)));
-#endif
-        for (; dd < D; ++dd) smax[D + dd] = std::max(smax[D + dd], std::fabs(buf[dd]));
-    }
+    if (smax) abs_max_into(buf, D, smax + D);
     return buf;
 }
 
