@@ -946,27 +946,28 @@ def _paged_slab(g, B, Hkv, N, bs, row, fill):
     return table, lambda off, width, dt: slab[:, :, off * bs: (off + width) * bs].view(dt).view(nb, Hkv, bs, -1)
 
 
-@settings(max_examples=25, deadline=None)
-@given(case=PAGED, ng=st.sampled_from([1, 2]), u8=st.booleans())
-def test_paged_int8_codes_same_bits_as_contiguous(case, ng, u8):
-    """int8 codes read in place from a paged cache packed as kvcert's vLLM cache packs them (per (block, head)
-    one byte slab: key codes [bs, D], value codes [bs, D], key and value fp16 scales [bs, ng], witness [bs, NB]):
-    output and stats equal bit for bit the read of the same codes laid out contiguously (seg), in the vector and
-    the scalar build, with fp32 or uint8 log-code witnesses."""
+@settings(max_examples=30, deadline=None)
+@given(case=PAGED, ng=st.sampled_from([1, 2]), u8=st.booleans(), codec=st.sampled_from(["int8", "int4"]))
+def test_paged_codes_same_bits_as_contiguous(case, ng, u8, codec):
+    """int8 codes, or packed int4 codes (two a byte), read in place from a paged cache packed as kvcert's vLLM cache
+    packs them (per (block, head) one byte slab: key codes [bs, W], value codes [bs, W] (W = D, or D / 2 for int4), key
+    and value fp16 scales [bs, ng], witness [bs, NB]): output and stats equal bit for bit the read of the same codes
+    laid out contiguously (seg), in the vector and the scalar build, with fp32 or uint8 log-code witnesses; int8 codes
+    declared int4 are refused."""
     g = torch.Generator().manual_seed(case["seed"])
     B, T, Hkv, G, N, bs, D = (case[x] for x in ("B", "T", "Hkv", "G", "N", "bs", "D"))
     T, NB, H = min(T, N), 8, Hkv * G
-    kq = quantize(torch.randn(B, Hkv, N, D, generator=g), "int8", group_size=D // ng)
-    vq = quantize(torch.randn(B, Hkv, N, D, generator=g), "int8", group_size=D // ng)
+    kq = quantize(torch.randn(B, Hkv, N, D, generator=g), codec, group_size=D // ng)
+    vq = quantize(torch.randn(B, Hkv, N, D, generator=g), codec, group_size=D // ng)
     if u8:
         rho = torch.randint(0, 200, (B, Hkv, N, NB), generator=g, dtype=torch.uint8)
     else:
         rho = torch.rand(B, Hkv, N, NB, generator=g) * 1e-2
-    rb = rho.element_size() * NB
-    table, part = _paged_slab(g, B, Hkv, N, bs, 2 * D + 4 * ng + rb, 0x7F)  # unused slots: garbage codes
-    kc, vc = part(0, D, torch.int8), part(D, D, torch.int8)
-    ks, vs = part(2 * D, 2 * ng, torch.int16), part(2 * D + 2 * ng, 2 * ng, torch.int16)
-    rc = part(2 * D + 4 * ng, rb, rho.dtype)
+    rb, W, cd = rho.element_size() * NB, kq.codes.shape[3], kq.codes.dtype
+    table, part = _paged_slab(g, B, Hkv, N, bs, 2 * W + 4 * ng + rb, 0x7F)  # unused slots: garbage codes
+    kc, vc = part(0, W, cd), part(W, W, cd)
+    ks, vs = part(2 * W, 2 * ng, torch.int16), part(2 * W + 2 * ng, 2 * ng, torch.int16)
+    rc = part(2 * W + 4 * ng, rb, rho.dtype)
     for b in range(B):
         for j in range(N):
             blk, off = int(table[b, j // bs]), j % bs
@@ -978,15 +979,19 @@ def test_paged_int8_codes_same_bits_as_contiguous(case, ng, u8):
     b64 = fast.rope_bands(D, NB).to(torch.int64).contiguous()
     lut = _log_table("cpu").to(torch.float32).contiguous() if u8 else None
     flat = [cpu_fused.seg(Hkv, N, k=kq.codes, v=vq.codes, k_scales=kq.scales, v_scales=vq.scales, rho=rho), cpu_fused.seg(Hkv, 0)]
-    paged = [cpu_fused.paged_seg(N, k=kc, v=vc, k_scales=ks, v_scales=vs, rho=rc, table=table, k_transposed=False),
-             cpu_fused.seg(Hkv, 0)]
-    assert paged[0]["ng"] == flat[0]["ng"] == (ng, ng)
+    paged = [cpu_fused.paged_seg(N, k=kc, v=vc, k_scales=ks, v_scales=vs, rho=rc, table=table, k_transposed=False,
+                                 int4=codec == "int4"), cpu_fused.seg(Hkv, 0)]
+    assert paged[0]["ng"] == flat[0]["ng"] == (ng, ng) and paged[0]["D"] == D
     for sc in (False, True):
         want = cpu_fused._run(q, qpos, flat, D ** -0.5, b64, ng, ng, case["certify"], lut=lut, scalar=sc)
         got = cpu_fused._run(q, qpos, paged, D ** -0.5, b64, ng, ng, case["certify"], lut=lut, scalar=sc)
-        rep = f"scalar={sc} ng={ng} u8={u8} case {json.dumps(case)}"
+        rep = f"scalar={sc} ng={ng} u8={u8} {codec} case {json.dumps(case)}"
         assert torch.equal(got[0], want[0]), "output differs: " + rep
         assert torch.equal(got[1], want[1]), "stats differ: " + rep
+    if codec == "int4":
+        with pytest.raises(ValueError, match="packed int4 codes"):  # int8 codes declared int4 are refused
+            cpu_fused.paged_seg(N, k=kc.view(torch.int8), v=vc.view(torch.int8), k_scales=ks, v_scales=vs, rho=rc,
+                                table=table, k_transposed=False, int4=True)
 
 
 def test_paged_codes_refused_without_scales_or_transposed():
@@ -1188,47 +1193,3 @@ def test_paged_fp8_refusals():
         args = dict(k=kc, v=vc, k_scales=sc, v_scales=sc, rho=None, table=ok, k_transposed=False, fp8=f8)
         with pytest.raises(ValueError):
             cpu_fused.paged_seg(16, **{**args, **kw})
-
-
-@settings(max_examples=12, deadline=None)
-@given(case=PAGED, u8=st.booleans())
-def test_paged_int4_codes_same_bits_as_contiguous(case, u8):
-    """Packed int4 codes read in place from a paged cache packed as kvcert's vLLM cache packs them (per (block, head)
-    one byte slab: key codes [bs, D / 2], value codes [bs, D / 2], key and value fp16 scales [bs, 1], witness [bs, NB]):
-    output and stats equal bit for bit the read of the same codes laid out contiguously (seg), in the vector and
-    the scalar build."""
-    g = torch.Generator().manual_seed(case["seed"])
-    B, T, Hkv, G, N, bs, D = (case[x] for x in ("B", "T", "Hkv", "G", "N", "bs", "D"))
-    T, NB, H = min(T, N), 8, Hkv * G
-    kq = quantize(torch.randn(B, Hkv, N, D, generator=g), "int4", group_size=D)
-    vq = quantize(torch.randn(B, Hkv, N, D, generator=g), "int4", group_size=D)
-    rho = (torch.randint(0, 200, (B, Hkv, N, NB), generator=g, dtype=torch.uint8) if u8
-           else torch.rand(B, Hkv, N, NB, generator=g) * 1e-2)
-    rb, W = rho.element_size() * NB, D // 2
-    table, part = _paged_slab(g, B, Hkv, N, bs, 2 * W + 4 + rb, 0x77)  # unused slots: garbage codes
-    kc, vc = part(0, W, torch.uint8), part(W, W, torch.uint8)
-    ks, vs = part(2 * W, 2, torch.int16), part(2 * W + 2, 2, torch.int16)
-    rc = part(2 * W + 4, rb, rho.dtype)
-    for b in range(B):
-        for j in range(N):
-            blk, off = int(table[b, j // bs]), j % bs
-            kc[blk, :, off], vc[blk, :, off] = kq.codes[b, :, j], vq.codes[b, :, j]
-            ks[blk, :, off], vs[blk, :, off] = kq.scales[b, :, j].view(torch.int16), vq.scales[b, :, j].view(torch.int16)
-            rc[blk, :, off] = rho[b, :, j]
-    q = torch.randn(B, T, H, D, generator=g).contiguous()
-    qpos = (N - T + torch.arange(T, dtype=torch.int32)).view(1, T).expand(B, T).contiguous()
-    b64 = fast.rope_bands(D, NB).to(torch.int64).contiguous()
-    lut = _log_table("cpu").to(torch.float32).contiguous() if u8 else None
-    flat = [cpu_fused.seg(Hkv, N, k=kq.codes, v=vq.codes, k_scales=kq.scales, v_scales=vq.scales, rho=rho), cpu_fused.seg(Hkv, 0)]
-    paged = [cpu_fused.paged_seg(N, k=kc, v=vc, k_scales=ks, v_scales=vs, rho=rc, table=table, k_transposed=False,
-                                 int4=True), cpu_fused.seg(Hkv, 0)]
-    assert paged[0]["D"] == D
-    for sc in (False, True):
-        want = cpu_fused._run(q, qpos, flat, D ** -0.5, b64, 1, 1, case["certify"], lut=lut, scalar=sc)
-        got = cpu_fused._run(q, qpos, paged, D ** -0.5, b64, 1, 1, case["certify"], lut=lut, scalar=sc)
-        rep = f"scalar={sc} u8={u8} case {json.dumps(case)}"
-        assert torch.equal(got[0], want[0]), "output differs: " + rep
-        assert torch.equal(got[1], want[1]), "stats differ: " + rep
-    with pytest.raises(ValueError, match="packed int4 codes"):  # int8 codes declared int4 (or the reverse) are refused
-        cpu_fused.paged_seg(N, k=kc.view(torch.int8), v=vc.view(torch.int8), k_scales=ks, v_scales=vs, rho=rc,
-                            table=table, k_transposed=False, int4=True)
