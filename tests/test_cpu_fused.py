@@ -171,30 +171,34 @@ def test_large_witness_falls_back_to_twin():
         assert torch.equal(cert[name], cert_t[name])
 
 
-def test_unsupported_codec_goes_to_twin():
-    """A dithered codec (no fused dither decode) is read by the twin: its bits exactly."""
+def test_unsupported_input_goes_to_twin():
+    """A value witness (v_err: no fused value bound) is read by the twin: its bits exactly."""
     g = torch.Generator().manual_seed(2)
     k, v = torch.randn(1, 2, 30, 64, generator=g), torch.randn(1, 2, 30, 64, generator=g)
     q = torch.randn(1, 2, 4, 64, generator=g)
-    kq, vq = fast.quantize(k, "int8_dither", seed=1), fast.quantize(v, "int8_dither", seed=1, stream=1)
+    kq, vq = fast.quantize(k, "int8"), fast.quantize(v, "int8")
+    v_err = (fast.dequantize(vq) - v).norm(dim=-1)
     bands = fast.rope_bands(64, 8)
     qp = torch.tensor([[28, 29]])
-    out, cert = cpu_fused.attention_rows(q, kq, vq, None, 0.125, bands=bands, q_pos=qp)
-    out_t, cert_t = twin.attention_rows(q, kq, vq, None, 0.125, bands=bands, q_pos=qp, backend="torch")
+    assert not cpu_fused._supported(kq, vq, v_err)
+    out, cert = cpu_fused.attention_rows(q, kq, vq, None, 0.125, bands=bands, q_pos=qp, v_err=v_err)
+    out_t, cert_t = twin.attention_rows(q, kq, vq, None, 0.125, bands=bands, q_pos=qp, v_err=v_err, backend="torch")
     assert torch.equal(out, out_t) and all(torch.equal(cert[n], cert_t[n]) for n in FORMS)
 
 
-@pytest.mark.parametrize("scheme", ["fp8_e4m3", "fp8_e5m2_rtz"])
-def test_fp8_qtensor_through_the_kernel(scheme):
+@pytest.mark.parametrize("scheme", ["fp8_e4m3", "fp8_e5m2_rtz", "int8_dither", "int4_dither"])
+def test_codec_qtensor_through_the_kernel(scheme):
     """fp8 QTensors (witness derived from their step when none is given, as the twin derives it) are read by the
     kernel: the twin's output up to fp32 summation order; the certificate (min) at most the twin's (whose logit
     bound e takes the format's largest code times the scale, the kernel the decoded rows' own max |k~|: much smaller
     for the round-toward-zero casts without token scales), every form within the Taylor room O(cm^2) of the module doc (soundness against the exact formula:
-    test_rows_match_twin_and_reference, whose cases include fp8)."""
+    test_rows_match_twin_and_reference, whose cases include fp8). Dithered QTensors alike (the dither regenerated at
+    read: tests/test_cpu_fused_dither.py)."""
     g = torch.Generator().manual_seed(2)
     k, v = torch.randn(1, 2, 30, 64, generator=g), torch.randn(1, 2, 30, 64, generator=g)
     q = torch.randn(1, 2, 4, 64, generator=g)
-    kq, vq = fast.quantize(k, scheme), fast.quantize(v, scheme)
+    kw = dict(seed=5) if "dither" in scheme else {}
+    kq, vq = fast.quantize(k, scheme, **kw), fast.quantize(v, scheme, stream=1, **kw) if kw else fast.quantize(v, scheme)
     bands = fast.rope_bands(64, 8)
     qp = torch.tensor([[28, 29]])
     out, cert = cpu_fused.attention_rows(q, kq, vq, None, 0.125, bands=bands, q_pos=qp)

@@ -1,7 +1,7 @@
 """The C++ twin of the dither (fast.core.native.dither_noise, which quant.dither_noise serves CPU
 calls with) gives the torch reference's bits (quant.dither_noise_torch) for every counter range,
 including seeds and layers at 2^64 - 1 and 2^32 - 1, tokens up to 2^63 - 1 and head dims that are not
-a multiple of 8; and agrees with the element-by-element definition (quant.dither_hash)."""
+a multiple of 8 (D >= 64: the AVX2 Philox, 8 blocks of channels at a time, and the scalar tail); and agrees with the element-by-element definition (quant.dither_hash)."""
 
 import torch
 from hypothesis import given, settings
@@ -13,7 +13,7 @@ from fast.core.quant import TOKEN_COUNT, dither_hash, dither_noise, dither_noise
 
 @settings(max_examples=80, deadline=None)
 @given(st.integers(0, 2 ** 64 - 1), st.integers(0, 2 ** 32 - 1), st.integers(1, 3), st.integers(1, 3),
-       st.integers(0, 24), st.integers(1, 40), st.sampled_from([0, 1]), st.booleans())
+       st.integers(0, 24), st.integers(1, 140), st.sampled_from([0, 1]), st.booleans())
 def test_cpp_dither_is_the_torch_dither_bit_for_bit(seed, layer, rows, Hkv, N, D, stream, high_tokens):
     start = TOKEN_COUNT - 1 - N if high_tokens else seed % 2 ** 40
     a = native.dither_noise(seed, layer, Hkv, start, N, D, rows=rows, stream=stream)

@@ -40,17 +40,22 @@ def _run(cache_cls, attn, ids, steps, before_step=None, scheme="int8", **kw):
 
 @pytest.mark.parametrize("scheme,derived", [("int8", False), ("int4", False), ("int4", True), ("kivi2", False),
                                             ("prerope_int4", False), ("prerope_int8", False), ("fp8_e4m3", False),
-                                            ("fp8_e5m2", False), ("fp8_e4m3_rtz", False), ("fp8_e5m2_rtz", False)])
+                                            ("fp8_e5m2", False), ("fp8_e4m3_rtz", False), ("fp8_e5m2_rtz", False),
+                                            ("int8_dither", False), ("int4_dither", False)])
 def test_decode_matches_meter(monkeypatch, scheme, derived):
     """int8 and int4 (packed codes read in place; witness stored as log codes, or derived from the scales), kivi2
     (2-bit codes, keys per channel over blocks of 32 tokens), pre-RoPE keys (rotated at read) and fp8 codes
-    (round-to-nearest with per-token scales, vLLM's round-toward-zero casts)."""
+    (round-to-nearest with per-token scales, vLLM's round-toward-zero casts), dithered int8 / int4 codes (the dither
+    regenerated at read; the dither estimate from the kernel's sums with each token's radius, against the meter's fp64
+    dither_forms: both above the exact formula, the kernel's e margin smaller than dither_forms' 3 e, so slightly below
+    it where e matters)."""
     monkeypatch.setattr(hf_fused, "FLUSH_BLOCK", 1)  # the meter's cache flushes every step: same contents
     ids = tiny_ids(B=2, N=70)
+    dith = scheme.endswith("_dither")
     if scheme.startswith("prerope"):
         from fast.core.prerope import prerope_scheme
         scheme = prerope_scheme(tiny_llama().config, bits=int(scheme[-1]))
-    kw = dict(window=8, sinks=4, scheme=scheme, derived=derived)
+    kw = dict(window=8, sinks=4, scheme=scheme, derived=derived, **(dict(seed=11) if dith else {}))
     ref_logits, ref_cache = _run(TwinCache, "kvcert", ids, 6, **kw)
     fus_logits, fus_cache = _run(FusedCertifiedCache, hf_fused.NAME, ids, 6, **kw)
     assert all(layer.fused_ok() for layer in fus_cache.layers) and not any(layer.fused_ok() for layer in ref_cache.layers)
@@ -67,6 +72,10 @@ def test_decode_matches_meter(monkeypatch, scheme, derived):
             # is ~16x int8's (cm 0.4-0.8 on the tiny model), so the room is the row's cm^2 on top of the int8 1e-2
             cm = f["max_c"].double()
             assert bool((f[name] <= r[name] * (1 + 1e-2 + cm * cm) + 1e-6).all()), name
+        if dith:
+            est, want = f["dither_estimate"], r["dither_estimate"]
+            assert est.shape == want.shape and bool((est < f["min"]).any()), "the estimate must say something"
+            assert bool((est >= want * (1 - 1e-2)).all()) and bool((est <= want * (1 + 1e-3) + 1e-6).all())
 
 
 def test_readable_flags_changed_in_place_are_read():

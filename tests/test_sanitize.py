@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # the bad-input checks, the transformers integration and the box certificate (kvcert_box_bound); the exhaustive
 # exp check runs the same kv_exp over 10^9 inputs (minutes under the sanitizers): its error path is
 # test_exp_error_path_is_defined; the box twin's speed test times nothing useful there
-KERNEL_TESTS = ["tests/test_cpu_fused.py", "tests/test_hf_fused.py", "tests/test_box_cpp.py"]
+KERNEL_TESTS = ["tests/test_cpu_fused.py", "tests/test_cpu_fused_dither.py", "tests/test_hf_fused.py", "tests/test_box_cpp.py"]
 DESELECT = "not test_exp_exhaustive and not test_cpp_is_faster_than_torch"
 
 

@@ -31,7 +31,14 @@ fl(fl(x c) + fl(-y s)); the same bits as the twin's decode() read as fp32 rows (
 logit bound e takes those rows' own max |k~| per channel. fp8 QTensors (round-to-nearest with per-token fp32
 scales, and vLLM's round-toward-zero casts with a tensor scale: fp8_parts, Fp8Read) are decoded the same way (csrc:
 fp8_row): x~ = fl(fl(fl(c pre) s) post), quant.dequantize's fp32 operations in its order, the logit bound from the
-decoded rows' own max |k~|. Anything else (dither, v_err) goes to the torch twin.
+decoded rows' own max |k~|. Dithered int8 / int4 QTensors (dither_parts, Dither) decode as fl((code - u) scale), quant.dequantize's
+bits, the dither u regenerated at read from the QTensors' counters (csrc: dither_row, dither_u: the Philox of
+fast.core.quant._block_words, 8 blocks of channels per AVX2 pass); with _run(dither_F=F) the kernel also returns the
+dither tier's sums (csrc: dither_sums): each token's radius s (F sqrt(sum_g sq_g d_g^2 / 12) + 3 2^-17 sum_g ab_g d_g)
+(fast.core.dither.dither_radius with the step d_g constant on key scale group g; sq_g, ab_g the sums of q_i^2 and |q_i|
+over the group; fp64 on nonnegative terms, <= 5 D + 10 roundings, times 1 + 2^-40, one ulp up, + 2^-1000 for the
+range, to fp32 rounded up) in place of the witness bound c, through the same epilogue: the dither tier's estimate
+(spec A2). Anything else (v_err) goes to the torch twin.
 
 The certificate: the same forms, from the same fast.core.certify.forms_from_pmz, as the twin.
 Re-derived here is only how Z, P = sum w expm1(c), M = sum w (1 - e^-c) are bounded: the kernel
@@ -111,6 +118,7 @@ CHUNK = 512      # at most this many tokens per work item (pass 1 and 2 split th
 #                  items of equal size, a multiple of 8: see _chunk)
 FUSED_SCHEMES = ("int8", "int4")  # QTensor codecs the kernel reads in place (keys and values of one scheme)
 FP8_SCHEMES = ("fp8_e4m3", "fp8_e5m2", "fp8_e4m3_rtz", "fp8_e5m2_rtz")  # fp8 QTensors it reads in place (fp8_parts)
+DITHER_SCHEMES = ("int8_dither", "int4_dither")  # dithered QTensors it reads in place (dither_parts)
 KAPPA_MIN = 2.0 ** -60
 RHO_MIN = 2.0 ** -64
 
@@ -158,11 +166,19 @@ def _sums_to_pmz(stats, NB, N):
     return np.stack([z, p, m]), cm
 
 
-def _run(q, qpos, segs, s, bands, ngk, ngv, certify, lut=None, scalar=False, out=None):
+def _run(q, qpos, segs, s, bands, ngk, ngv, certify, lut=None, scalar=False, out=None, dither_F=None):
     """Call the kernel. q [B, T, H, D] fp32 contiguous; qpos [B, T] int32; segs: two results of seg();
     bands [NB, W] int64 contiguous. Returns out [B, T, H, D] fp32 (written into `out` when given: fp32,
-    contiguous, that shape), stats [B, T, H, 5] fp64 (Z, S1, S2, max c^, e). NaN/Inf: ValueError."""
+    contiguous, that shape), stats [B, T, H, 5] fp64 (Z, S1, S2, max c^, e). NaN/Inf: ValueError.
+    dither_F (segment 0 dithered, certify): F >= sqrt(2 ln(2 n / d)) (fast.core.dither.radius_factor); then a third
+    result, dstats [B, T, H, 5]: the same five numbers with each token's dither radius in place of c^ (csrc:
+    dither_sums), for _certificate: the dither tier's estimate (fast.core.dither, spec A2)."""
     B, T, H, D, NB = _check_run(q, qpos, segs, s, bands, ngk, ngv, certify, lut)
+    if dither_F is not None:
+        if not (certify and segs[0]["c"].n and segs[0]["c"].dith):
+            raise ValueError("dither_F: for a certified read whose segment 0 holds dithered codes")
+        if isinstance(dither_F, bool) or not isinstance(dither_F, (int, float)) or not (math.isfinite(dither_F) and dither_F >= 1):
+            raise ValueError(f"dither_F: a finite number >= 1 (radius_factor), got {dither_F!r}")
     W = bands.shape[1]
     if out is None:
         out = torch.empty(B, T, H, D, dtype=torch.float32)
@@ -175,13 +191,17 @@ def _run(q, qpos, segs, s, bands, ngk, ngv, certify, lut=None, scalar=False, out
     a.seg[0], a.seg[1] = segs[0]["c"], segs[1]["c"]
     a.out, a.stats, a.kmax, a.nanflag = out.data_ptr(), stats.data_ptr(), scratch[0].data_ptr(), scratch[1].data_ptr()
     a.certify, a.threads, a.chunk = int(certify), read_threads(), _chunk(segs[0]["c"].n + segs[1]["c"].n)
+    dstats = None
+    if dither_F is not None:
+        dstats = torch.empty(B, T, H, 5, dtype=torch.float64)
+        a.dF, a.dstats = float(dither_F), dstats.data_ptr()
     _lib(scalar).kvcert_fused_run(ctypes.byref(a))
     nan_k, nan_v = scratch[1].view(-1)[:2].tolist()
     if not math.isfinite(nan_k):
         raise ValueError("k or q: non-finite logits (NaN/Inf in q, the key cache or its scales, or logits overflow fp32)")
     if not math.isfinite(nan_v):
         raise ValueError("v: NaN/Inf in the value cache")
-    return out, stats
+    return (out, stats) if dstats is None else (out, stats, dstats)
 
 
 def _check_run(q, qpos, segs, s, bands, ngk, ngv, certify, lut):
@@ -332,8 +352,40 @@ def _check_head_dim(D):
         raise ValueError(f"head size D = {D}: the kernel needs a multiple of 8 in [8, 512]")
 
 
+@dataclass(frozen=True)
+class Dither:
+    """The dither counters of a segment's subtractively dithered codes (int8_dither, int4_dither QTensors: their seed,
+    layer and token_start; keys stream 0, values stream 1, batch row b and KV head h of the segment): the kernel
+    regenerates u at read (csrc: dither_u) and decodes x~ = fl((code - u) scale), fast.core.quant.dequantize's bits."""
+    seed: int
+    layer: int
+    token_start: int = 0
+
+
+@functools.lru_cache(maxsize=1024)
+def _dither_keys(seed, layer, B, Hkv):
+    """uint32 words as int32 [B, Hkv, 2 streams, 2]: the Philox key of each (layer, row, head, stream), the first stage
+    of fast.core.quant._block_words (csrc: dither_row reads them; read-only)."""
+    from fast.core.quant import MASK, philox4x32_10
+    b, h, st = torch.meshgrid(torch.arange(B), torch.arange(Hkv), torch.arange(2), indexing="ij")
+    k0, k1, _, _ = philox4x32_10(layer, b, h, st, seed & MASK, seed >> 32)
+    return torch.stack([k0, k1], -1).to(torch.int64).to(torch.int32).contiguous()
+
+
+def _set_dither(c, keep, B, Hkv, n, D, dither):
+    from fast.core.quant import check_dither_counters
+    if not isinstance(dither, Dither):
+        raise ValueError(f"dither: a cpu_fused.Dither, got {type(dither).__name__}")
+    if not c.coded:
+        raise ValueError("dither: dithered int8 or packed int4 codes with their fp16 scales")
+    check_dither_counters(dither.seed, dither.layer, 0, B, Hkv, dither.token_start, n, D)
+    keys = _dither_keys(dither.seed, dither.layer, B, Hkv)
+    c.dith, c.dkey, c.dk_sb, c.dk_sh, c.dtok0 = 1, keys.data_ptr(), Hkv * 4, 4, dither.token_start
+    keep["dkey"] = keys
+
+
 def seg(Hkv, n, *, k=None, v=None, k_scales=None, v_scales=None, rho=None, valid=None, exact=None, pos=None,
-        k_asym=None, v_asym=None, fp8=None):
+        k_asym=None, v_asym=None, fp8=None, dither=None):
     """One kernel segment: keys/values int8 codes [B, Hkv, N, D], packed int4 codes (uint8 [B, Hkv, N, D / 2],
     fast.core.quant's layout: channel d in byte d // 2, low nibble = even channel, code = nibble - 8), each with
     fp16 scales [.., N, ng], ng dividing D (int16 views of them accepted), or fp32 rows [B, Hkv, N, D]; rho [B, Hkv, N, NB] uint8 log codes or fp32 (None: c = 0,
@@ -345,7 +397,9 @@ def seg(Hkv, n, *, k=None, v=None, k_scales=None, v_scales=None, rho=None, valid
     channel over blocks of tokens: fast.core.schemes KiviKeys, fast.core.prerope PreRopeKeys, rotated at read), and
     v_asym = AsymValues(...) (per token groups: KiviValues); k / v and k_scales / v_scales are then taken from them.
     fp8 codes: fp8 = Fp8Read(...) with k / v the codes (float8 or their uint8 bytes [B, Hkv, N, D]) and k_scales / v_scales
-    both fp32 [B, Hkv, N, 1] (one scale per token) or both None (Fp8Read.scale): fp8_parts(qt) builds them from a QTensor."""
+    both fp32 [B, Hkv, N, 1] (one scale per token) or both None (Fp8Read.scale): fp8_parts(qt) builds them from a QTensor.
+    Dithered int8 / int4 codes: dither = Dither(seed, layer, token_start) beside k / v and their scales (the QTensors'
+    counters; dither_parts(qt) builds them)."""
     if isinstance(Hkv, bool) or not isinstance(Hkv, int) or Hkv < 1 or isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"seg: Hkv >= 1 and n >= 0 integers, got {Hkv!r}, {n!r}")
     c = _Seg()
@@ -353,6 +407,8 @@ def seg(Hkv, n, *, k=None, v=None, k_scales=None, v_scales=None, rho=None, valid
     keep = {"Hkv": Hkv, "c": c}
     if n == 0:
         return keep
+    if dither is not None and (fp8 is not None or k_asym is not None or v_asym is not None):
+        raise ValueError("dither: symmetric int8 / int4 codes only (not fp8 or asymmetric codes)")
     if fp8 is not None:
         return _fp8_seg(Hkv, n, c, keep, k, v, k_scales, v_scales, fp8, rho, valid, exact, pos)
     if k_asym is not None or v_asym is not None:
@@ -384,6 +440,8 @@ def seg(Hkv, n, *, k=None, v=None, k_scales=None, v_scales=None, rho=None, valid
     for name, t in (("ks", k_scales), ("vs", v_scales)):
         if t is not None:
             _set(c, keep, name, name, t, (torch.int16,), (B, Hkv, n, None))
+    if dither is not None:
+        _set_dither(c, keep, B, Hkv, n, D, dither)
     return _witness_and_flags(c, keep, B, Hkv, n, rho, valid, exact, pos)
 
 
@@ -446,6 +504,18 @@ def fp8_parts(k, v):
         return dict(k=k.codes, v=v.codes, k_scales=None, v_scales=None,
                     fp8=Fp8Read(RTZ[k.scheme][0], float(k.tensor_scale), pre, post))
     return dict(k=k.codes, v=v.codes, k_scales=k.scales, v_scales=v.scales, fp8=Fp8Read(FP8[k.scheme][0]))
+
+
+def dither_parts(k, v):
+    """seg()'s arguments (k, v, k_scales, v_scales, dither) for keys and values stored as dithered QTensors of one scheme
+    (int8_dither, int4_dither) with one seed, layer and token_start, keys from stream 0 and values from stream 1 (the
+    streams the kernel regenerates)."""
+    if not (isinstance(k, QTensor) and isinstance(v, QTensor) and k.scheme == v.scheme and k.scheme in DITHER_SCHEMES):
+        raise ValueError("dither_parts: keys and values must be dithered QTensors of one scheme (int8_dither, int4_dither)")
+    if (k.seed, k.layer, k.token_start) != (v.seed, v.layer, v.token_start) or (k.stream, v.stream) != (0, 1):
+        raise ValueError(f"dither_parts: keys (seed, layer, token_start, stream) {(k.seed, k.layer, k.token_start, k.stream)} and "
+                         f"values {(v.seed, v.layer, v.token_start, v.stream)}: one seed, layer and start, streams 0 and 1")
+    return dict(k=k.codes, v=v.codes, k_scales=k.scales, v_scales=v.scales, dither=Dither(int(k.seed), int(k.layer), int(k.token_start)))
 
 
 def _check_fp8_read(f8):
@@ -750,7 +820,7 @@ def _supported(k, v, v_err):
     if v_err is not None or D % 8 or D > 512:
         return False
     if isinstance(k, QTensor) and isinstance(v, QTensor):
-        return k.scheme == v.scheme and k.scheme in FUSED_SCHEMES + FP8_SCHEMES and k.codes.device.type == "cpu"
+        return k.scheme == v.scheme and k.scheme in FUSED_SCHEMES + FP8_SCHEMES + DITHER_SCHEMES and k.codes.device.type == "cpu"
     if isinstance(k, QTensor) or isinstance(v, QTensor):
         return False
     return k.device.type == "cpu" and k.dtype == torch.float32 and v.dtype == torch.float32
@@ -766,7 +836,7 @@ def _check_qtensor(name, t):
     if not isinstance(t, QTensor) or t.scheme in FP8_SCHEMES:  # fp8: seg checks codes and scales (fp8_parts)
         return
     c, sc = t.codes, t.scales
-    dtype, W = (torch.uint8, "D / 2") if t.scheme == "int4" else (torch.int8, "D")
+    dtype, W = (torch.uint8, "D / 2") if t.scheme in ("int4", "int4_dither") else (torch.int8, "D")
     if not (isinstance(c, torch.Tensor) and c.dtype == dtype and c.dim() == 4 and c.device.type == "cpu"):
         raise ValueError(f"{name}: {t.scheme} QTensor codes must be a {dtype} CPU tensor [B, Hkv, N, {W}], got "
                          f"{getattr(c, 'dtype', c)} {tuple(getattr(c, 'shape', ()))}")
@@ -819,18 +889,22 @@ def attention_rows(q, k, v, rho, scale, *, bands, q_pos, k_pos=None, valid=None,
     u8 = lambda t: None if t is None else t.to(torch.uint8).contiguous()
     va = None if valid is None else u8(valid).view(B, 1, N).expand(B, Hkv, N)
     pos = None if k_pos is None else k_pos.to(torch.int32).contiguous().view(B, 1, N).expand(B, Hkv, N)
+    dither = None
     if isinstance(k, QTensor) and k.scheme in FP8_SCHEMES:
         parts = fp8_parts(k, v)
         kc, vc, ngk, ngv = parts["k"].contiguous(), parts["v"].contiguous(), 1, 1
         ks, vs = (None, None) if parts["k_scales"] is None else (parts["k_scales"].contiguous(), parts["v_scales"].contiguous())
     elif isinstance(k, QTensor):
+        if k.scheme in DITHER_SCHEMES:
+            dither = dither_parts(k, v)["dither"]
         kc, vc = k.codes.contiguous(), v.codes.contiguous()
         ks, vs = k.scales.contiguous(), v.scales.contiguous()  # fp16 (seg checks them)
         ngk, ngv = ks.shape[-1], vs.shape[-1]
     else:
         kc, vc, ks, vs, ngk, ngv = k.contiguous(), v.contiguous(), None, None, 1, 1
     f8 = parts["fp8"] if isinstance(k, QTensor) and k.scheme in FP8_SCHEMES else None
-    s0 = seg(Hkv, N, k=kc, v=vc, k_scales=ks, v_scales=vs, rho=rho, valid=va, exact=u8(exact), pos=pos, fp8=f8)
+    s0 = seg(Hkv, N, k=kc, v=vc, k_scales=ks, v_scales=vs, rho=rho, valid=va, exact=u8(exact), pos=pos, fp8=f8,
+             dither=dither)
     s1 = seg(Hkv, 0)
     qf = q.to(torch.float32).contiguous()
     out, stats = _run(qf, q_pos.to(torch.int32).contiguous(), [s0, s1], s, bands.cpu().contiguous(), ngk, ngv, certify, lut)

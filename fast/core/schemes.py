@@ -294,7 +294,7 @@ def _codec_scheme(name):
             return CodecStored(qt)
         return encode
     return Scheme(name, encoder(0), encoder(1), derived_witness=name in UNIFORM, dither=name in DITHER,
-                  layout=name if name in ("int8", "int4") else "fp8" if name.startswith("fp8") else "")
+                  layout=name if name in ("int8", "int4", "int8_dither", "int4_dither") else "fp8" if name.startswith("fp8") else "")
 
 
 def _kivi_scheme():

@@ -12,7 +12,8 @@ and "kvcert_fused" another name of the meter.
 
 What changes against CertifiedCache + the "kvcert" meter (fast.integrations.hf_meter):
 - update() does not rebuild the served fp32 [B, Hkv, N, D] tensors (CertifiedLayer.served): the
-  attention reads the layer's parts in place: int8 or packed int4 codes + fp16 scales, fp8 codes (+ fp32 per-token
+  attention reads the layer's parts in place: int8 or packed int4 codes + fp16 scales (dithered too: the dither
+  regenerated at read, the dither estimate from the same pass: _dither_estimate), fp8 codes (+ fp32 per-token
   scales, or vLLM's round-toward-zero casts with their tensor scale), kivi2's 2-bit
   codes + fp16 scales and zeros, or pre-RoPE key codes (rotated at read) + int8 values, and the uint8
   witness codes of the quantized part (segment 0; _codes), and the exact overlay (sinks) + exact tail
@@ -25,7 +26,7 @@ What changes against CertifiedCache + the "kvcert" meter (fast.integrations.hf_m
   step for all layers, after the last one: cache.records gets one record per (step, layer) as
   with the meter.
 Falls back to the torch twin (hf_meter's decode_step / rows_step, the served fp32 copy), certified
-the same way, where the kernel does not apply: registered schemes, the dithered schemes, gates,
+the same way, where the kernel does not apply: registered schemes, kivi2_dither, gates,
 shadow mode, value or box bounds, the subspace witness, non-fp32 models. The first prefill reads the exact
 states with sdpa, as everywhere.
 """
@@ -38,6 +39,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from fast.core import cpu_fused
 from fast.core.attention import attention_rows as twin_rows
 from fast.core.certify import FORMS, logit_rounding, with_other_logits
+from fast.core.dither import budget_local, radius_factor
 from fast.core.prerope import BLOCK as PRE_BLOCK
 from fast.core.schemes import KIVI_GROUP
 from fast.core.quant import max_abs
@@ -54,7 +56,7 @@ def enable(model):
 
 
 FLUSH_BLOCK = 32  # tail tokens quantized together once the tail exceeds window + FLUSH_BLOCK
-FUSED_LAYOUTS = cpu_fused.FUSED_SCHEMES + ("fp8", "kivi2", "prerope")  # Scheme.layout values the kernel reads in place
+FUSED_LAYOUTS = cpu_fused.FUSED_SCHEMES + cpu_fused.DITHER_SCHEMES + ("fp8", "kivi2", "prerope")  # Scheme.layout values the kernel reads in place
 
 
 _POS = [torch.zeros(0, dtype=torch.int32)]
@@ -167,6 +169,8 @@ def _codes(layout, kq, vq):
     if layout in cpu_fused.FUSED_SCHEMES:
         k, v = kq.qt, vq.qt
         return dict(k=k.codes, v=v.codes, k_scales=k.scales.view(torch.int16), v_scales=v.scales.view(torch.int16))
+    if layout in cpu_fused.DITHER_SCHEMES:  # dithered codes: the dither regenerated at read from the QTensors' counters
+        return cpu_fused.dither_parts(kq.qt, vq.qt)
     if layout == "fp8":  # fp8 codes (round-to-nearest + per-token scales, or vLLM's round-toward-zero cast)
         return cpu_fused.fp8_parts(kq.qt, vq.qt)
     if layout == "kivi2" and isinstance(kq, KiviKeys) and isinstance(vq, KiviValues):
@@ -190,13 +194,21 @@ def fused_read(layer, query, scale):
     qpos = torch.arange(n - T, n, dtype=torch.int32).view(1, T).expand(B, T).contiguous()
     segs, (ngk, ngv) = layer.segments()
     lut = log_table32() if layer.rho_codes is not None and not layer.derived else None
-    out, stats = cpu_fused._run(q, qpos, segs, float(scale), _bands(cache), ngk, ngv, cache.certify, lut)
+    F = _dither_factor(layer, n, T) if cache.scheme.dither and cache.certify and layer.nq else None
+    out, stats, *dstats = cpu_fused._run(q, qpos, segs, float(scale), _bands(cache), ngk, ngv, cache.certify, lut, dither_F=F)
     cache.fused_reads += 1
     if cache.certify:
-        cache._pending.append((layer, stats, n, q))
+        cache._pending.append((layer, stats, n, q, dstats[0] if dstats else None))
         if layer.layer_idx == cache.num_layers - 1:
             flush_certificates(cache)
     return out.to(query.dtype)
+
+
+def _dither_factor(layer, n, T):
+    """sqrt(2 ln(2 n / d)) rounded up for the dither estimate of this read's rows (hf_meter's: n the tokens read, d
+    the smallest local budget of the T reads, budget_local at step t0 + T)."""
+    c = layer.cache
+    return radius_factor(n, budget_local(c.delta_req, c.num_layers, c.num_heads, layer.steps + T))
 
 
 def _bands(cache):
@@ -216,13 +228,29 @@ def flush_certificates(cache):
     for (N, shape), items in groups.items():
         B = shape[0]
         cert = cpu_fused._certificate(torch.cat([it[1] for it in items]), NB, N, D)
-        if cert is None:  # a row needs the twin's fp64 terms: each layer's certificate from the twin
-            for layer, _, _, q in items:
-                _record(layer, _twin_cert(layer, q, N), N)
-            continue
-        for i, (layer, _, _, _) in enumerate(items):  # [layers * B, T, H]: each layer's record takes its B rows
+        dith = [i for i, it in enumerate(items) if it[4] is not None]
+        dcert = cpu_fused._certificate(torch.cat([items[i][4] for i in dith]), NB, N, D) if dith else None
+        for i, (layer, _, _, q, ds) in enumerate(items):  # [layers * B, T, H]: each layer's record takes its B rows
             sl = slice(i * B, (i + 1) * B)
-            _record(layer, {k: cert[k][sl] for k in ("max_c",) + FORMS}, N)
+            if cert is None:  # a row needs the twin's fp64 terms: each layer's certificate from the twin
+                c = _twin_cert(layer, q, N)
+            else:
+                c = {k: cert[k][sl] for k in ("max_c",) + FORMS}
+            if cache.scheme.dither:
+                c["dither_estimate"] = _dither_estimate(c, dcert, dith.index(i) if ds is not None else None, B)
+            _record(layer, c, N)
+
+
+def _dither_estimate(cert, dcert, i, B):
+    """[B, T, H] the dither tier's estimate of one layer's read (hf_meter's dither_estimate): the kernel's sums with each
+    token's dither radius through the same epilogue (i: the layer's place among the dithered reads); no quantized token
+    yet (i None): every radius is 0 and the deterministic certificate is that bound; an epilogue that needs fp64 terms
+    (a radius near the fp32 exp range, dcert None): 1, the trivial bound on a total variation."""
+    if i is None:
+        return cert["min"]
+    if dcert is None:
+        return torch.ones_like(cert["min"])
+    return dcert["min"][i * B:(i + 1) * B]
 
 
 def _scale(cache):
@@ -249,17 +277,18 @@ def _record(layer, cert, N):
     cache = layer.cache
     T = cert["min"].shape[1]
     rec = {"layer": layer.layer_idx, "repaired": layer.repaired.clone(), "rung": layer.rung.clone(), "fresh_repairs": 0}
+    est = {"dither_estimate": cert["dither_estimate"]} if "dither_estimate" in cert else {}
     if T == 1:
         layer.steps += 1
         rec.update({"step": layer.steps, "pre_min": cert["min"][:, 0], "max_c": cert["max_c"][:, 0].float()})
-        rec.update({f: cert[f][:, 0].float() for f in FORMS})
+        rec.update({f: cert[f][:, 0].float() for f in (*FORMS, *est)})
         cache.records.append(rec)
         return
     t0 = layer.steps
     layer.steps += T  # each row is one read, as in the meter
     rec.update({"call": len(cache.row_records), "pos": torch.arange(N - T, N), "steps": (t0 + 1, t0 + T),
                 "pre_min": cert["min"], "max_c": cert["max_c"].float()})
-    rec.update({f: cert[f].float() for f in FORMS})
+    rec.update({f: cert[f].float() for f in (*FORMS, *est)})
     cache.row_records.append(rec)
 
 

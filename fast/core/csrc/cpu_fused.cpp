@@ -187,6 +187,14 @@ struct Seg {
     const float* f8lut;
     const float* ks8; const float* vs8;
     float f8scale, f8pre, f8post;
+    // subtractively dithered symmetric codes (coded, dith = 1: int8_dither, or int4_dither with int4 = 1): x~ =
+    // fl((code - u) * scale), code - u exact in fp32 (a <= 8-bit integer minus a multiple of 2^-17 in (-1/2, 1/2)),
+    // u the dither of fast.core.quant.dither_noise regenerated at read (dither_u): token dtok0 + j, the Philox key
+    // of (layer, row b, head h, stream) in dkey + b * dk_sb + h * dk_sh + 2 * stream (two words; stream 0 keys,
+    // 1 values). The logit bound e takes the decoded rows' own max |k~| (as fp32 rows).
+    int dith;
+    const uint32_t* dkey; int64_t dk_sb, dk_sh;
+    int64_t dtok0;
 };
 
 // element offset of token j's row (length len) in an array of the segment with strides (sb, sh)
@@ -216,6 +224,11 @@ struct Args {
     int certify;
     int threads;
     int64_t chunk;
+    // the dither tier's estimate (fast.core.dither, segment 0 dithered): dF >= sqrt(2 ln(2 n / d)) and, when
+    // dstats is not null, [B, T, H, 5] the same five numbers as stats with the dither radius of each token
+    // (dither_radius_row) in place of the witness bound c (exact tokens: 0)
+    double dF;
+    double* dstats;
 };
 
 inline int64_t tok_pos(const Seg& sg, int64_t b, int64_t h, int64_t j, int64_t pos0) {
@@ -333,6 +346,119 @@ inline const float* asym_row(const Seg& sg, bool values, int64_t b, int64_t h, i
     return buf;
 }
 
+// The subtractive dither of fast.core.quant.dither_noise, bit for bit: u [rows, Hkv, N, D] fp32 of one stream.
+// Philox4x32-10 (Random123's rounds, multipliers 0xD2511F53 / 0xCD9E8D57, Weyl increments 0x9E3779B9 /
+// 0xBB67AE85) in two stages: key (k0, k1) = words 0-1 of Philox(counter (layer, row, head, stream), key
+// (seed lo, seed hi)); then for each block b of 8 channels, Philox(counter (token lo, token hi, b, 0), key
+// (k0, k1)) gives words w0..w3, channel 8 b + 2 j + h takes the high (h = 0) or low (h = 1) 16 bits i of w_j,
+// u = (2 i + 1 - 2^16) 2^-17 (exact in fp32). The caller checks the counters (quant.check_dither_counters).
+inline void philox4x32_10(uint32_t c[4], uint32_t k0, uint32_t k1) {
+    for (int r = 0; r < 10; ++r) {
+        if (r) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        const uint64_t p0 = (uint64_t)0xD2511F53u * c[0], p1 = (uint64_t)0xCD9E8D57u * c[2];
+        const uint32_t n0 = (uint32_t)(p1 >> 32) ^ c[1] ^ k0, n2 = (uint32_t)(p0 >> 32) ^ c[3] ^ k1;
+        c[1] = (uint32_t)p1;
+        c[3] = (uint32_t)p0;
+        c[0] = n0;
+        c[2] = n2;
+    }
+}
+
+// the key (k0, k1) of one (layer, row, head, stream): the first stage above
+inline void dither_key(uint64_t seed, uint32_t layer, uint32_t row, uint32_t head, uint32_t stream, uint32_t* key2) {
+    uint32_t c[4] = {layer, row, head, stream};
+    philox4x32_10(c, (uint32_t)seed, (uint32_t)(seed >> 32));
+    key2[0] = c[0];
+    key2[1] = c[1];
+}
+
+// u of channel 8 b + 2 j + h from word j of block b's Philox
+inline float dither_one(const uint32_t* w, int64_t c) {
+    const uint32_t word = w[(c & 7) >> 1];
+    const int32_t i = (int32_t)((c & 1) ? (word & 0xFFFFu) : (word >> 16));
+    return (float)(2 * i + 1 - 65536) * 0x1p-17f;
+}
+
+#if KVCERT_AVX2
+// (hi, lo) 32-bit words of c * m for 8 lanes: mul_epu32 takes the even lanes (64-bit products), the odd lanes
+// shifted down; the high words of the even products shifted down and blended with the odd products' high words
+inline void mulhilo8(__m256i c, __m256i m, __m256i& hi, __m256i& lo) {
+    const __m256i ev = _mm256_mul_epu32(c, m), od = _mm256_mul_epu32(_mm256_srli_epi64(c, 32), m);
+    hi = _mm256_blend_epi32(_mm256_srli_epi64(ev, 32), od, 0xAA);
+    lo = _mm256_mullo_epi32(c, m);
+}
+
+// u (fp32, 8 numbers each) of channels 8 b + c from one 16-bit half (c % 2: 0 high, 1 low) of word c / 2, lane b
+inline __m256 dither_half8(__m256i w, int low) {
+    const __m256i i = low ? _mm256_and_si256(w, _mm256_set1_epi32(0xFFFF)) : _mm256_srli_epi32(w, 16);
+    const __m256i k = _mm256_add_epi32(_mm256_slli_epi32(i, 1), _mm256_set1_epi32(1 - 65536));  // 2 i + 1 - 2^16, exact
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(k), _mm256_set1_ps(0x1p-17f));
+}
+
+// 8 x 8 floats: rows x[0..7] -> columns, written to out + 8 l (row l of the result = lane l of every x)
+inline void transpose8_store(const __m256* x, float* out) {
+    const __m256 t0 = _mm256_unpacklo_ps(x[0], x[1]), t1 = _mm256_unpackhi_ps(x[0], x[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(x[2], x[3]), t3 = _mm256_unpackhi_ps(x[2], x[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(x[4], x[5]), t5 = _mm256_unpackhi_ps(x[4], x[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(x[6], x[7]), t7 = _mm256_unpackhi_ps(x[6], x[7]);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    _mm256_storeu_ps(out + 0, _mm256_permute2f128_ps(u0, u4, 0x20));
+    _mm256_storeu_ps(out + 8, _mm256_permute2f128_ps(u1, u5, 0x20));
+    _mm256_storeu_ps(out + 16, _mm256_permute2f128_ps(u2, u6, 0x20));
+    _mm256_storeu_ps(out + 24, _mm256_permute2f128_ps(u3, u7, 0x20));
+    _mm256_storeu_ps(out + 32, _mm256_permute2f128_ps(u0, u4, 0x31));
+    _mm256_storeu_ps(out + 40, _mm256_permute2f128_ps(u1, u5, 0x31));
+    _mm256_storeu_ps(out + 48, _mm256_permute2f128_ps(u2, u6, 0x31));
+    _mm256_storeu_ps(out + 56, _mm256_permute2f128_ps(u3, u7, 0x31));
+}
+#endif
+
+// The dither u [D] of one token under the key (k0, k1): the scalar Philox per block of 8 channels; with AVX2, 8
+// blocks at a time (lane = block: the same integer operations per lane, so the same bits), then an 8 x 8 transpose
+inline void dither_u(uint32_t k0, uint32_t k1, uint64_t token, int64_t D, float* u) {
+    const int64_t nb = (D + 7) / 8;
+    int64_t b = 0;
+#if KVCERT_AVX2
+    for (; b + 8 <= nb && 8 * (b + 8) <= D; b += 8) {
+        __m256i c0 = _mm256_set1_epi32((int)(uint32_t)token), c1 = _mm256_set1_epi32((int)(uint32_t)(token >> 32));
+        __m256i c2 = _mm256_add_epi32(_mm256_set1_epi32((int)b), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256i c3 = _mm256_setzero_si256();
+        const __m256i m0 = _mm256_set1_epi32((int)0xD2511F53u), m1 = _mm256_set1_epi32((int)0xCD9E8D57u);
+        uint32_t ka = k0, kb = k1;
+        for (int r = 0; r < 10; ++r) {
+            if (r) {
+                ka += 0x9E3779B9u;
+                kb += 0xBB67AE85u;
+            }
+            __m256i hi0, lo0, hi1, lo1;
+            mulhilo8(c0, m0, hi0, lo0);
+            mulhilo8(c2, m1, hi1, lo1);
+            const __m256i n0 = _mm256_xor_si256(_mm256_xor_si256(hi1, c1), _mm256_set1_epi32((int)ka));
+            const __m256i n2 = _mm256_xor_si256(_mm256_xor_si256(hi0, c3), _mm256_set1_epi32((int)kb));
+            c1 = lo1;
+            c3 = lo0;
+            c0 = n0;
+            c2 = n2;
+        }
+        const __m256i w[4] = {c0, c1, c2, c3};
+        __m256 x[8];
+        for (int c = 0; c < 8; ++c) x[c] = dither_half8(w[c >> 1], c & 1);
+        transpose8_store(x, u + 8 * b);
+    }
+#endif
+    for (; b < nb; ++b) {
+        uint32_t w[4] = {(uint32_t)token, (uint32_t)(token >> 32), (uint32_t)b, 0u};
+        philox4x32_10(w, k0, k1);
+        for (int64_t c = 8 * b; c < 8 * b + 8 && c < D; ++c) u[c] = dither_one(w, c);
+    }
+}
+
 // Row jj of an fp8 segment (Seg: fp8) decoded into buf; smax (keys): per channel max |k~| into smax[D + d], as for
 // fp32 rows. The AVX2 loop runs the scalar loop's products in its order (the same bits: tests/test_cpu_fused.py).
 inline const float* fp8_row(const Seg& sg, bool values, int64_t b, int64_t h, int64_t jj, int64_t D, float* buf, float* smax) {
@@ -355,9 +481,40 @@ inline const float* fp8_row(const Seg& sg, bool values, int64_t b, int64_t h, in
     return buf;
 }
 
+// Row jj of a dithered segment (Seg: dith) decoded into buf: x~ = fl((m - u) * scale), m the int8 code or the int4
+// nibble - 8 (nibble 0: NaN, as seg_row), u the token's dither (dither_u): fast.core.quant.dequantize's operations,
+// bit for bit (m - u is exact in fp32). smax (keys): per channel max |k~| into smax[D + d], as for fp32 rows.
+inline const float* dither_row(const Seg& sg, bool values, int64_t b, int64_t h, int64_t jj, int64_t D, int64_t ng,
+                               float* buf, float* smax) {
+    const void* base = values ? sg.v : sg.k;
+    const int64_t sb = values ? sg.v_sb : sg.k_sb, sh = values ? sg.v_sh : sg.k_sh;
+    const uint16_t* sc = values ? sg.vs + row_off(sg, sg.vs_sb, sg.vs_sh, b, h, jj, ng) : sg.ks + row_off(sg, sg.ks_sb, sg.ks_sh, b, h, jj, ng);
+    const uint32_t* key = sg.dkey + b * sg.dk_sb + h * sg.dk_sh + (values ? 2 : 0);
+    alignas(32) float u[512];
+    dither_u(key[0], key[1], (uint64_t)(sg.dtok0 + jj), D, u);
+    if (sg.int4) {
+        const uint8_t* code = (const uint8_t*)base + row_off(sg, sb, sh, b, h, jj, D / 2);
+        for (int64_t d = 0; d < D; ++d) {
+            const int nib = (code[d >> 1] >> ((d & 1) * 4)) & 15;
+            buf[d] = nib ? (float)(nib - 8) : NAN;
+        }
+    } else {
+        const int8_t* code = (const int8_t*)base + row_off(sg, sb, sh, b, h, jj, D);
+        for (int64_t d = 0; d < D; ++d) buf[d] = (float)code[d];
+    }
+    const int64_t gw = D / ng;
+    for (int64_t g = 0; g < ng; ++g) {
+        const float sv = half_to_float(sc[g]);
+#pragma omp simd
+        for (int64_t d = g * gw; d < (g + 1) * gw; ++d) buf[d] = (buf[d] - u[d]) * sv;
+    }
+    if (smax) abs_max_into(buf, D, smax + D);
+    return buf;
+}
+
 // true when a segment's logit bound takes the largest scale of each group times the largest code (int8, int4), false
-// when it takes the decoded rows' own max |k~| (fp32 rows, asymmetric codes, fp8)
-inline bool scale_max(const Seg& sg) { return sg.coded && !sg.kasym && !sg.fp8; }
+// when it takes the decoded rows' own max |k~| (fp32 rows, asymmetric codes, fp8, dithered codes)
+inline bool scale_max(const Seg& sg) { return sg.coded && !sg.kasym && !sg.fp8 && !sg.dith; }
 
 // Row jj of a segment's keys (values = false) or values, as fp32: code * scale (exact in fp32: 8- or 4-bit code,
 // 11-bit fp16 scale) written into buf, or a pointer to the fp32 row. smax (keys only, may be null):
@@ -381,6 +538,7 @@ inline const float* seg_row(const Seg& sg, bool values, int64_t b, int64_t h, in
     }
     if (values ? sg.vasym : sg.kasym) return asym_row(sg, values, b, h, jj, D, ng, buf, smax);
     if (sg.fp8) return fp8_row(sg, values, b, h, jj, D, buf, smax);
+    if (sg.dith) return dither_row(sg, values, b, h, jj, D, ng, buf, smax);
     const uint16_t* sc = values ? sg.vs + row_off(sg, sg.vs_sb, sg.vs_sh, b, h, jj, ng) : sg.ks + row_off(sg, sg.ks_sb, sg.ks_sh, b, h, jj, ng);
     const int64_t gw = D / ng;
     if (sg.int4) {
@@ -540,6 +698,44 @@ inline void row_sums(const float* w, const uint8_t* o, const float* rt, const fl
     out[3] = (double)cm;
 }
 
+constexpr double STEP_MARGIN = 1.0 + 0x1p-10;      // fast.core.quant.STEP_MARGIN: delta = scale (1 + 2^-10)
+constexpr double BIAS_RHO = 3.0 * 0x1p-17;         // fast.core.dither.BIAS_RHO
+
+// One row's sums with the dither radius in place of the witness bound (fast.core.dither.dither_radius, T6i) over the
+// chunk's quantized tokens [j0, jq) (the fp32 segment and exact tokens: radius 0, nothing to add):
+//   c_j >= s (F sqrt(sum_g sq_g d_g^2 / 12) + BIAS_RHO sum_g ab_g d_g),
+// d_g = |fp16 key scale of group g| STEP_MARGIN (exact in fp64, d_g^2 too: 22 bits), sq_g / ab_g the fp64 sums of q_i^2 /
+// |q_i| over the group (coef [2 ng]; squares exact), F >= sqrt(2 ln(2 n / d)). All terms nonnegative: at most
+// 5 D + 10 <= 2570 roundings of u64 (relative error < 2.9e-13 < 2^-40), none below the normal range but the last
+// product's (absolute 2^-1074 each: + 2^-1000 covers it); times 1 + 2^-40, one ulp up, cast to fp32 rounded up.
+// out: S1 = sum w c, S2 = sum (w c) c (w c exact, one rounding more: the epilogue's margins), max c over readable
+// tokens (w of an unreadable token is 0: skipped).
+inline void dither_sums(const Seg& sg, const float* w, const uint8_t* o, int64_t b, int64_t h, int64_t j0, int64_t jq,
+                        int64_t ng, const double* coef, double F, double s, double* out) {
+    double s1 = 0.0, s2 = 0.0;
+    float cm = 0.0f;
+    for (int64_t j = j0; j < jq; ++j) {
+        if (!o[j - j0] || (sg.exact && sg.exact[b * sg.ex_sb + h * sg.ex_sh + j])) continue;
+        const uint16_t* sc = sg.ks + row_off(sg, sg.ks_sb, sg.ks_sh, b, h, j, ng);
+        double var = 0.0, bias = 0.0;
+        for (int64_t g = 0; g < ng; ++g) {
+            const double d = std::fabs((double)half_to_float(sc[g])) * STEP_MARGIN;
+            var += coef[2 * g] * (d * d);
+            bias += coef[2 * g + 1] * d;
+        }
+        const double c = up((F * std::sqrt(var / 12.0) + BIAS_RHO * bias) * s * (1.0 + 0x1p-40) + 0x1p-1000);
+        float cf = (float)c;
+        if ((double)cf < c) cf = upf(cf);
+        const double cd = (double)cf, wc = (double)w[j - j0] * cd;
+        s1 += wc;
+        s2 += wc * cd;
+        cm = std::max(cm, cf);
+    }
+    out[0] = s1;
+    out[1] = s2;
+    out[2] = (double)cm;
+}
+
 void run(const Args& a) {
     const int64_t B = a.B, T = a.T, H = a.H, Hkv = a.Hkv, D = a.D, NB = a.NB;
     const int64_t G = H / Hkv, R = T * G;
@@ -571,6 +767,26 @@ void run(const Args& a) {
     static thread_local std::vector<double> k64_buf;
     k64_buf.resize((size_t)(B * T * H * NB));
     double* K64 = k64_buf.data();
+    // the dither radius' per-row sums over each key scale group: sq_g = sum q_i^2, ab_g = sum |q_i| (dither_sums)
+    static thread_local std::vector<double> dcoef, psum2;
+    if (a.dstats) {
+        const int64_t gw = D / a.ngk;
+        dcoef.resize((size_t)(B * T * H * 2 * a.ngk));
+        psum2.resize((size_t)(items * R * 3));
+        for (int64_t r = 0; r < B * T * H; ++r)
+            for (int64_t g = 0; g < a.ngk; ++g) {
+                double sq = 0.0, ab = 0.0;
+                for (int64_t d = g * gw; d < (g + 1) * gw; ++d) {
+                    const double x = (double)a.q[r * D + d];
+                    sq += x * x;
+                    ab += std::fabs(x);
+                }
+                dcoef[(size_t)((r * a.ngk + g) * 2)] = sq;
+                dcoef[(size_t)((r * a.ngk + g) * 2 + 1)] = ab;
+            }
+    }
+    const double* DCOEF = dcoef.data();
+    double* PSUM2 = psum2.data();
     float nan_q = 0.0f;
     if (a.certify) nan_q = kappa_rows(a.q, B * T * H, D, a.bands, NB, a.W, a.s64, a.band_margin, K64, KAPPA);
 
@@ -843,6 +1059,13 @@ void run(const Args& a) {
         } else {
             for (int64_t r = 0; r < R; ++r) row_sums(lg + r * N + j0, okr + r * N, nullptr, nullptr, 0, L, ps + r * 4);
         }
+        if (a.dstats) {  // the dither tier's sums (segment 0 dithered; the caller checks)
+            for (int64_t r = 0; r < R; ++r) {
+                const int64_t t = r / G, hq = h * G + r % G;
+                dither_sums(a.seg[0], lg + r * N + j0, okr + r * N, b, h, j0, std::min(j1, N0), a.ngk,
+                            DCOEF + ((b * T + t) * H + hq) * 2 * a.ngk, a.dF, a.s64, PSUM2 + (it * R + r) * 3);
+            }
+        }
         // output: o_r += w_rj v~_j (v~ = code * scale, exact in fp32)
         float* po = POUT + it * R * D;
         std::fill(po, po + R * D, 0.0f);
@@ -945,6 +1168,15 @@ void run(const Args& a) {
                 // + (2.03 D s + 1) 2^-150: products below the normal range round with an absolute error
                 // (proofs/FloatDot.v logit_rounding_le_code_f32, spec T8e; 2.03 > 2.02 pays for this line's fp64 roundings)
                 st[4] = up(a.s64 * qk * a.e_coef + (2.03 * (double)D * a.s64 + 1.0) * 0x1p-150);
+                if (a.dstats) {
+                    double d1 = 0.0, d2 = 0.0, dm = 0.0;
+                    for (int64_t c = 0; c < nch; ++c) {
+                        const double* pd = PSUM2 + (((b * Hkv + h) * nch + c) * R + r) * 3;
+                        d1 += pd[0]; d2 += pd[1]; dm = std::max(dm, pd[2]);
+                    }
+                    double* ds = a.dstats + ((b * T + t) * H + hq) * 5;
+                    ds[0] = z; ds[1] = d1; ds[2] = d2; ds[3] = dm; ds[4] = st[4];
+                }
             }
         }
     }
@@ -1029,7 +1261,7 @@ int epilogue(const double* st, int64_t rows, const EpiConst& k, float* out) {
 
 extern "C" {
 
-int kvcert_fused_abi() { return 3; }
+int kvcert_fused_abi() { return 4; }
 
 int kvcert_fused_avx2() { return KVCERT_AVX2; }
 
@@ -1149,47 +1381,13 @@ int64_t kvcert_paged_witness(const float* key, int64_t n, int64_t Hkv, int64_t D
     return bad;
 }
 
-// The subtractive dither of fast.core.quant.dither_noise, bit for bit: u [rows, Hkv, N, D] fp32 of one stream.
-// Philox4x32-10 (Random123's rounds, multipliers 0xD2511F53 / 0xCD9E8D57, Weyl increments 0x9E3779B9 /
-// 0xBB67AE85) in two stages: key (k0, k1) = words 0-1 of Philox(counter (layer, row, head, stream), key
-// (seed lo, seed hi)); then for each block b of 8 channels, Philox(counter (token lo, token hi, b, 0), key
-// (k0, k1)) gives words w0..w3, channel 8 b + 2 j + h takes the high (h = 0) or low (h = 1) 16 bits i of w_j,
-// u = (2 i + 1 - 2^16) 2^-17 (exact in fp32). The caller checks the counters (quant.check_dither_counters).
-static inline void philox4x32_10(uint32_t c[4], uint32_t k0, uint32_t k1) {
-    for (int r = 0; r < 10; ++r) {
-        if (r) {
-            k0 += 0x9E3779B9u;
-            k1 += 0xBB67AE85u;
-        }
-        const uint64_t p0 = (uint64_t)0xD2511F53u * c[0], p1 = (uint64_t)0xCD9E8D57u * c[2];
-        const uint32_t n0 = (uint32_t)(p1 >> 32) ^ c[1] ^ k0, n2 = (uint32_t)(p0 >> 32) ^ c[3] ^ k1;
-        c[1] = (uint32_t)p1;
-        c[3] = (uint32_t)p0;
-        c[0] = n0;
-        c[2] = n2;
-    }
-}
-
 void kvcert_dither_noise(uint64_t seed, uint32_t stream, uint32_t layer, int64_t rows, int64_t Hkv, int64_t token_start,
                          int64_t N, int64_t D, int threads, float* out) {
-    const int64_t nb = (D + 7) / 8;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t rh = 0; rh < rows * Hkv; ++rh) {
         uint32_t key[4] = {layer, (uint32_t)(rh / Hkv), (uint32_t)(rh % Hkv), stream};
         philox4x32_10(key, (uint32_t)seed, (uint32_t)(seed >> 32));
-        for (int64_t n = 0; n < N; ++n) {
-            const uint64_t token = (uint64_t)(token_start + n);
-            float* o = out + (rh * N + n) * D;
-            for (int64_t b = 0; b < nb; ++b) {
-                uint32_t w[4] = {(uint32_t)token, (uint32_t)(token >> 32), (uint32_t)b, 0u};
-                philox4x32_10(w, key[0], key[1]);
-                for (int64_t c = 8 * b; c < 8 * b + 8 && c < D; ++c) {
-                    const uint32_t word = w[(c & 7) >> 1];
-                    const int32_t i = (int32_t)((c & 1) ? (word & 0xFFFFu) : (word >> 16));
-                    o[c] = (float)(2 * i + 1 - 65536) * 0x1p-17f;
-                }
-            }
-        }
+        for (int64_t n = 0; n < N; ++n) dither_u(key[0], key[1], (uint64_t)(token_start + n), D, out + (rh * N + n) * D);
     }
 }
 }
