@@ -14,13 +14,14 @@ Variants
   made its batch-4 throughput lower than its batch-1 one: that row is kept, labelled, not the base;
 - every other row: fast.CertifiedCache read with attention "kvcert" (what fast.enable_meter sets),
   as README's first example builds it; its default backend="auto" reads through the fused C++
-  kernel (fast.integrations.hf_fused) wherever the kernel applies (int8, int4, kivi2, prerope4, fp8);
+  kernel (fast.integrations.hf_fused) wherever the kernel applies (int8, int4, kivi2, prerope4, fp8, int8_dither);
 - int8 (no certificate): certify=False: the same codes, served by the fused kernel;
 - int8 certified: the fused kernel, certificate epilogue batched once per step;
 - int8 certified (torch twin): backend="torch" (the served fp32 copy + the torch twin);
 - int4 / kivi2 / prerope4 / fp8_e4m3 certified: the defaults, through the fused kernel (2- and 4-bit
   codes, pre-RoPE key codes, fp8 codes with per-token scales read in place); int8_dither certified
-  falls back to the torch twin (no fused dither decode);
+  reads its codes in place too (the dither regenerated at read) and records the dither estimate from
+  the same pass;
 - quanto int4 / int2: transformers QuantizedCache(backend="quanto") when optimum-quanto imports
   (--quanto), read with the baseline's attention.
 meter overhead = step time int8 certified / int8 (no certificate), same codes, same run.

@@ -385,10 +385,11 @@ inline float dither_one(const uint32_t* w, int64_t c) {
 #if KVCERT_AVX2
 // (hi, lo) 32-bit words of c * m for 8 lanes: mul_epu32 takes the even lanes (64-bit products), the odd lanes
 // shifted down; the high words of the even products shifted down and blended with the odd products' high words
+// (the low words from the same products: blends and shifts, not mullo_epi32's longer latency)
 inline void mulhilo8(__m256i c, __m256i m, __m256i& hi, __m256i& lo) {
     const __m256i ev = _mm256_mul_epu32(c, m), od = _mm256_mul_epu32(_mm256_srli_epi64(c, 32), m);
     hi = _mm256_blend_epi32(_mm256_srli_epi64(ev, 32), od, 0xAA);
-    lo = _mm256_mullo_epi32(c, m);
+    lo = _mm256_blend_epi32(ev, _mm256_slli_epi64(od, 32), 0xAA);
 }
 
 // u (fp32, 8 numbers each) of channels 8 b + c from one 16-bit half (c % 2: 0 high, 1 low) of word c / 2, lane b
@@ -419,44 +420,79 @@ inline void transpose8_store(const __m256* x, float* out) {
 }
 #endif
 
-// The dither u [D] of one token under the key (k0, k1): the scalar Philox per block of 8 channels; with AVX2, 8
-// blocks at a time (lane = block: the same integer operations per lane, so the same bits), then an 8 x 8 transpose
-inline void dither_u(uint32_t k0, uint32_t k1, uint64_t token, int64_t D, float* u) {
+// The dither u [n][D] of tokens token0 .. token0 + n - 1 under the key (k0, k1): the scalar Philox per block of 8
+// channels; with AVX2, 8 blocks at a time (lane = block: the same integer operations per lane, so the same bits) for two
+// tokens at once (two independent chains: the rounds' multiply latency overlaps), then an 8 x 8 transpose each
+inline void dither_u(uint32_t k0, uint32_t k1, uint64_t token0, int64_t n, int64_t D, float* u) {
     const int64_t nb = (D + 7) / 8;
-    int64_t b = 0;
+    int64_t full = 0;  // blocks done by the AVX2 loop (a multiple of 8)
 #if KVCERT_AVX2
-    for (; b + 8 <= nb && 8 * (b + 8) <= D; b += 8) {
-        __m256i c0 = _mm256_set1_epi32((int)(uint32_t)token), c1 = _mm256_set1_epi32((int)(uint32_t)(token >> 32));
-        __m256i c2 = _mm256_add_epi32(_mm256_set1_epi32((int)b), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        __m256i c3 = _mm256_setzero_si256();
-        const __m256i m0 = _mm256_set1_epi32((int)0xD2511F53u), m1 = _mm256_set1_epi32((int)0xCD9E8D57u);
-        uint32_t ka = k0, kb = k1;
-        for (int r = 0; r < 10; ++r) {
-            if (r) {
-                ka += 0x9E3779B9u;
-                kb += 0xBB67AE85u;
+    full = (D / 64) * 8;
+    const __m256i m0 = _mm256_set1_epi32((int)0xD2511F53u), m1 = _mm256_set1_epi32((int)0xCD9E8D57u);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t t = 0; t < n; t += 2) {
+        const int nt = t + 1 < n ? 2 : 1;
+        for (int64_t b = 0; b < full; b += 8) {
+            __m256i c0[2], c1[2], c2[2], c3[2];
+            for (int i = 0; i < 2; ++i) {
+                const uint64_t token = token0 + (uint64_t)(t + (i < nt ? i : 0));
+                c0[i] = _mm256_set1_epi32((int)(uint32_t)token);
+                c1[i] = _mm256_set1_epi32((int)(uint32_t)(token >> 32));
+                c2[i] = _mm256_add_epi32(_mm256_set1_epi32((int)b), lane);
+                c3[i] = _mm256_setzero_si256();
             }
-            __m256i hi0, lo0, hi1, lo1;
-            mulhilo8(c0, m0, hi0, lo0);
-            mulhilo8(c2, m1, hi1, lo1);
-            const __m256i n0 = _mm256_xor_si256(_mm256_xor_si256(hi1, c1), _mm256_set1_epi32((int)ka));
-            const __m256i n2 = _mm256_xor_si256(_mm256_xor_si256(hi0, c3), _mm256_set1_epi32((int)kb));
-            c1 = lo1;
-            c3 = lo0;
-            c0 = n0;
-            c2 = n2;
+            uint32_t ka = k0, kb = k1;
+            for (int r = 0; r < 10; ++r) {
+                if (r) {
+                    ka += 0x9E3779B9u;
+                    kb += 0xBB67AE85u;
+                }
+                const __m256i kav = _mm256_set1_epi32((int)ka), kbv = _mm256_set1_epi32((int)kb);
+                for (int i = 0; i < 2; ++i) {
+                    __m256i hi0, lo0, hi1, lo1;
+                    mulhilo8(c0[i], m0, hi0, lo0);
+                    mulhilo8(c2[i], m1, hi1, lo1);
+                    c0[i] = _mm256_xor_si256(_mm256_xor_si256(hi1, c1[i]), kav);
+                    c2[i] = _mm256_xor_si256(_mm256_xor_si256(hi0, c3[i]), kbv);
+                    c1[i] = lo1;
+                    c3[i] = lo0;
+                }
+            }
+            for (int i = 0; i < nt; ++i) {
+                const __m256i w[4] = {c0[i], c1[i], c2[i], c3[i]};
+                __m256 x[8];
+                for (int c = 0; c < 8; ++c) x[c] = dither_half8(w[c >> 1], c & 1);
+                transpose8_store(x, u + (t + i) * D + 8 * b);
+            }
         }
-        const __m256i w[4] = {c0, c1, c2, c3};
-        __m256 x[8];
-        for (int c = 0; c < 8; ++c) x[c] = dither_half8(w[c >> 1], c & 1);
-        transpose8_store(x, u + 8 * b);
     }
 #endif
-    for (; b < nb; ++b) {
-        uint32_t w[4] = {(uint32_t)token, (uint32_t)(token >> 32), (uint32_t)b, 0u};
-        philox4x32_10(w, k0, k1);
-        for (int64_t c = 8 * b; c < 8 * b + 8 && c < D; ++c) u[c] = dither_one(w, c);
+    for (int64_t t = 0; t < n; ++t) {
+        const uint64_t token = token0 + (uint64_t)t;
+        for (int64_t b = full; b < nb; ++b) {
+            uint32_t w[4] = {(uint32_t)token, (uint32_t)(token >> 32), (uint32_t)b, 0u};
+            philox4x32_10(w, k0, k1);
+            for (int64_t c = 8 * b; c < 8 * b + 8 && c < D; ++c) u[t * D + c] = dither_one(w, c);
+        }
     }
+}
+
+// The dither of token `token` under (k0, k1), from this thread's cache of 8 consecutive tokens (the reads ask for tokens
+// in order: one dither_u call per 8 rows). Keyed by the values the dither depends on (k0, k1, token, D), so a hit is
+// exactly what dither_u would compute; tokens past the segment's last are computed and never used (no counter check
+// needed: nothing of them is read).
+inline const float* dither_cached(uint32_t k0, uint32_t k1, uint64_t token, int64_t D) {
+    struct Cache { uint32_t k0, k1; uint64_t tok0; int64_t D; bool ok; alignas(32) float u[8 * 512]; };
+    static thread_local Cache ch = {0, 0, 0, 0, false, {}};
+    if (!(ch.ok && ch.k0 == k0 && ch.k1 == k1 && ch.D == D && token >= ch.tok0 && token - ch.tok0 < 8)) {
+        dither_u(k0, k1, token, 8, D, ch.u);
+        ch.k0 = k0;
+        ch.k1 = k1;
+        ch.tok0 = token;
+        ch.D = D;
+        ch.ok = true;
+    }
+    return ch.u + (token - ch.tok0) * D;
 }
 
 // Row jj of an fp8 segment (Seg: fp8) decoded into buf; smax (keys): per channel max |k~| into smax[D + d], as for
@@ -490,8 +526,7 @@ inline const float* dither_row(const Seg& sg, bool values, int64_t b, int64_t h,
     const int64_t sb = values ? sg.v_sb : sg.k_sb, sh = values ? sg.v_sh : sg.k_sh;
     const uint16_t* sc = values ? sg.vs + row_off(sg, sg.vs_sb, sg.vs_sh, b, h, jj, ng) : sg.ks + row_off(sg, sg.ks_sb, sg.ks_sh, b, h, jj, ng);
     const uint32_t* key = sg.dkey + b * sg.dk_sb + h * sg.dk_sh + (values ? 2 : 0);
-    alignas(32) float u[512];
-    dither_u(key[0], key[1], (uint64_t)(sg.dtok0 + jj), D, u);
+    const float* u = dither_cached(key[0], key[1], (uint64_t)(sg.dtok0 + jj), D);
     if (sg.int4) {
         const uint8_t* code = (const uint8_t*)base + row_off(sg, sb, sh, b, h, jj, D / 2);
         for (int64_t d = 0; d < D; ++d) {
@@ -701,35 +736,68 @@ inline void row_sums(const float* w, const uint8_t* o, const float* rt, const fl
 constexpr double STEP_MARGIN = 1.0 + 0x1p-10;      // fast.core.quant.STEP_MARGIN: delta = scale (1 + 2^-10)
 constexpr double BIAS_RHO = 3.0 * 0x1p-17;         // fast.core.dither.BIAS_RHO
 
-// One row's sums with the dither radius in place of the witness bound (fast.core.dither.dither_radius, T6i) over the
-// chunk's quantized tokens [j0, jq) (the fp32 segment and exact tokens: radius 0, nothing to add):
+// The dither radius in place of the witness bound (fast.core.dither.dither_radius, T6i), per token of a chunk's quantized
+// part and query row:
 //   c_j >= s (F sqrt(sum_g sq_g d_g^2 / 12) + BIAS_RHO sum_g ab_g d_g),
-// d_g = |fp16 key scale of group g| STEP_MARGIN (exact in fp64, d_g^2 too: 22 bits), sq_g / ab_g the fp64 sums of q_i^2 /
-// |q_i| over the group (coef [2 ng]; squares exact), F >= sqrt(2 ln(2 n / d)). All terms nonnegative: at most
-// 5 D + 10 <= 2570 roundings of u64 (relative error < 2.9e-13 < 2^-40), none below the normal range but the last
-// product's (absolute 2^-1074 each: + 2^-1000 covers it); times 1 + 2^-40, one ulp up, cast to fp32 rounded up.
-// out: S1 = sum w c, S2 = sum (w c) c (w c exact, one rounding more: the epilogue's margins), max c over readable
-// tokens (w of an unreadable token is 0: skipped).
-inline void dither_sums(const Seg& sg, const float* w, const uint8_t* o, int64_t b, int64_t h, int64_t j0, int64_t jq,
-                        int64_t ng, const double* coef, double F, double s, double* out) {
+// d_g = |fp16 key scale of group g| STEP_MARGIN (exact in fp64, d_g^2 too: 22 bits; dither_steps, once per chunk for its
+// rows), sq_g / ab_g the fp64 sums of q_i^2 / |q_i| over the group (coef [2 ng]; squares exact), F >= sqrt(2 ln(2 n / d)).
+// All terms nonnegative: at most 5 D + 10 <= 2570 roundings of u64 (relative error < 2.9e-13 < 2^-40), none below the
+// normal range but the last product's (absolute 2^-1074 each: + 2^-1000 covers it); times 1 + 2^-40, one ulp up, cast
+// to fp32 rounded up. dither_radii writes c [L] (AVX2: 4 tokens per register, the scalar loop's operations in its order,
+// so the same bits); dither_sums then adds S1 = sum w c, S2 = sum (w c) c (w c exact, one rounding more: the epilogue's
+// margins) and max c over the readable tokens that are not exact (the fp32 segment and exact tokens: radius 0).
+inline void dither_steps(const Seg& sg, int64_t b, int64_t h, int64_t j0, int64_t jq, int64_t ng, int64_t L, double* dd) {
+    for (int64_t j = j0; j < jq; ++j) {
+        const uint16_t* sc = sg.ks + row_off(sg, sg.ks_sb, sg.ks_sh, b, h, j, ng);
+        for (int64_t g = 0; g < ng; ++g) dd[g * L + (j - j0)] = std::fabs((double)half_to_float(sc[g])) * STEP_MARGIN;
+    }
+}
+
+inline void dither_radii(const double* dd, int64_t n, int64_t L, int64_t ng, const double* coef, double F, double s, float* c) {
+    int64_t j = 0;
+#if KVCERT_AVX2
+    const __m256d f4 = _mm256_set1_pd(F), s4 = _mm256_set1_pd(s), twelve = _mm256_set1_pd(12.0), br = _mm256_set1_pd(BIAS_RHO);
+    const __m256d mg = _mm256_set1_pd(1.0 + 0x1p-40), tiny = _mm256_set1_pd(0x1p-1000);
+    for (; j + 4 <= n; j += 4) {
+        __m256d var = _mm256_setzero_pd(), bias = _mm256_setzero_pd();
+        for (int64_t g = 0; g < ng; ++g) {
+            const __m256d d = _mm256_loadu_pd(dd + g * L + j);
+            var = _mm256_add_pd(var, _mm256_mul_pd(_mm256_set1_pd(coef[2 * g]), _mm256_mul_pd(d, d)));
+            bias = _mm256_add_pd(bias, _mm256_mul_pd(_mm256_set1_pd(coef[2 * g + 1]), d));
+        }
+        const __m256d t = _mm256_add_pd(_mm256_mul_pd(f4, _mm256_sqrt_pd(_mm256_div_pd(var, twelve))), _mm256_mul_pd(br, bias));
+        const __m256d cd = up4(_mm256_add_pd(_mm256_mul_pd(_mm256_mul_pd(t, s4), mg), tiny));
+        // to fp32 rounded up: the nearest float, its bits + 1 where it lies below (a positive float; +inf and NaN stay)
+        const __m128 cf = _mm256_cvtpd_ps(cd);
+        const __m256i below = _mm256_castpd_si256(_mm256_cmp_pd(_mm256_cvtps_pd(cf), cd, _CMP_LT_OQ));
+        const __m128i low = _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(below, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6)));
+        _mm_storeu_ps(c + j, _mm_castsi128_ps(_mm_sub_epi32(_mm_castps_si128(cf), low)));
+    }
+#endif
+    for (; j < n; ++j) {
+        double var = 0.0, bias = 0.0;
+        for (int64_t g = 0; g < ng; ++g) {
+            const double d = dd[g * L + j];
+            var = var + coef[2 * g] * (d * d);
+            bias = bias + coef[2 * g + 1] * d;
+        }
+        const double cd = up((F * std::sqrt(var / 12.0) + BIAS_RHO * bias) * s * (1.0 + 0x1p-40) + 0x1p-1000);
+        float cf = (float)cd;
+        if ((double)cf < cd) cf = upf(cf);
+        c[j] = cf;
+    }
+}
+
+inline void dither_sums(const Seg& sg, const float* w, const uint8_t* o, const float* c, int64_t b, int64_t h, int64_t j0,
+                        int64_t jq, double* out) {
     double s1 = 0.0, s2 = 0.0;
     float cm = 0.0f;
     for (int64_t j = j0; j < jq; ++j) {
         if (!o[j - j0] || (sg.exact && sg.exact[b * sg.ex_sb + h * sg.ex_sh + j])) continue;
-        const uint16_t* sc = sg.ks + row_off(sg, sg.ks_sb, sg.ks_sh, b, h, j, ng);
-        double var = 0.0, bias = 0.0;
-        for (int64_t g = 0; g < ng; ++g) {
-            const double d = std::fabs((double)half_to_float(sc[g])) * STEP_MARGIN;
-            var += coef[2 * g] * (d * d);
-            bias += coef[2 * g + 1] * d;
-        }
-        const double c = up((F * std::sqrt(var / 12.0) + BIAS_RHO * bias) * s * (1.0 + 0x1p-40) + 0x1p-1000);
-        float cf = (float)c;
-        if ((double)cf < c) cf = upf(cf);
-        const double cd = (double)cf, wc = (double)w[j - j0] * cd;
+        const double cd = (double)c[j - j0], wc = (double)w[j - j0] * cd;
         s1 += wc;
         s2 += wc * cd;
-        cm = std::max(cm, cf);
+        cm = std::max(cm, c[j - j0]);
     }
     out[0] = s1;
     out[1] = s2;
@@ -1060,10 +1128,16 @@ void run(const Args& a) {
             for (int64_t r = 0; r < R; ++r) row_sums(lg + r * N + j0, okr + r * N, nullptr, nullptr, 0, L, ps + r * 4);
         }
         if (a.dstats) {  // the dither tier's sums (segment 0 dithered; the caller checks)
+            const int64_t jq = std::max(j0, std::min(j1, N0));
+            static thread_local std::vector<double> ddbuf;
+            static thread_local std::vector<float> cbuf;
+            if (ddbuf.size() < (size_t)(a.ngk * L)) ddbuf.resize((size_t)(a.ngk * L));
+            if (cbuf.size() < (size_t)L) cbuf.resize((size_t)L);
+            dither_steps(a.seg[0], b, h, j0, jq, a.ngk, L, ddbuf.data());
             for (int64_t r = 0; r < R; ++r) {
                 const int64_t t = r / G, hq = h * G + r % G;
-                dither_sums(a.seg[0], lg + r * N + j0, okr + r * N, b, h, j0, std::min(j1, N0), a.ngk,
-                            DCOEF + ((b * T + t) * H + hq) * 2 * a.ngk, a.dF, a.s64, PSUM2 + (it * R + r) * 3);
+                dither_radii(ddbuf.data(), jq - j0, L, a.ngk, DCOEF + ((b * T + t) * H + hq) * 2 * a.ngk, a.dF, a.s64, cbuf.data());
+                dither_sums(a.seg[0], lg + r * N + j0, okr + r * N, cbuf.data(), b, h, j0, jq, PSUM2 + (it * R + r) * 3);
             }
         }
         // output: o_r += w_rj v~_j (v~ = code * scale, exact in fp32)
@@ -1387,7 +1461,7 @@ void kvcert_dither_noise(uint64_t seed, uint32_t stream, uint32_t layer, int64_t
     for (int64_t rh = 0; rh < rows * Hkv; ++rh) {
         uint32_t key[4] = {layer, (uint32_t)(rh / Hkv), (uint32_t)(rh % Hkv), stream};
         philox4x32_10(key, (uint32_t)seed, (uint32_t)(seed >> 32));
-        for (int64_t n = 0; n < N; ++n) dither_u(key[0], key[1], (uint64_t)(token_start + n), D, out + (rh * N + n) * D);
+        dither_u(key[0], key[1], (uint64_t)token_start, N, D, out + rh * N * D);
     }
 }
 }
