@@ -57,7 +57,10 @@ def _case(case):
     rows = cpu_fused.seg(Hkv, N, k=dequantize(kq).contiguous(), v=dequantize(vq).contiguous(), rho=rho, valid=valid)
     T = min(T, N + R)
     q = (torch.randn(B, T, Hkv * G, D, generator=g) * case["mag"]).contiguous()
-    qpos = (N + R - T + torch.arange(T, dtype=torch.int32)).view(1, T).expand(B, T).contiguous()
+    qpos = (N + R - T + torch.arange(T, dtype=torch.int32)).view(1, T).expand(B, T)
+    if case["padding"] and N > 2:  # every row reads a key (row 0's first N // 2 tokens are padding)
+        qpos = torch.clamp(qpos, min=N // 2)
+    qpos = qpos.contiguous()
     ng = (kq.scales.shape[-1], vq.scales.shape[-1])
     return dict(k=k, kq=kq, kt=kt, q=q, qpos=qpos, bands=bands, valid=valid, segs=[codes, tail], rows=[rows, tail], ng=ng,
                 lut=_log_table("cpu").to(torch.float32).contiguous(), b64=bands.to(torch.int64).contiguous(), s=D ** -0.5)
