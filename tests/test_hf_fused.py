@@ -79,10 +79,10 @@ def test_decode_matches_meter(monkeypatch, scheme, derived):
 
 
 def test_readable_flags_changed_in_place_are_read():
-    """Segment 0 is reused across steps (appends to the tail do not rebuild it), but a readable flag
-    of a quantized token or of a sink changed in place is read at the next step: the same logits and
-    certificates as a run that rebuilds every segment at every step (a stale segment would still
-    read the masked tokens), and different from a run without the masks."""
+    """Segment 0 is reused across steps (appends to the tail do not rebuild it), and segment 1's buffers too
+    (a step copies in its new tail rows), but a readable flag of a quantized token or of a sink changed in place
+    is read at the next step: the same logits and certificates as a run that rebuilds every segment at every
+    step (a stale segment would still read the masked tokens), and different from a run without the masks."""
     ids = tiny_ids(B=2, N=60)
     nqs = set()
 
@@ -94,7 +94,7 @@ def test_readable_flags_changed_in_place_are_read():
                 layer.valid[0, :, t // 2] = False  # a sink of row 0
         for layer in cache.layers:
             if rebuild:
-                layer._seg0 = None
+                layer._seg0 = layer._seg1 = None
     reuse, c1 = _run(FusedCertifiedCache, hf_fused.NAME, ids, 6, before_step=mask, window=8, sinks=4)
     fresh, c2 = _run(FusedCertifiedCache, hf_fused.NAME, ids, 6, before_step=lambda c, t: mask(c, t, True),
                      window=8, sinks=4)

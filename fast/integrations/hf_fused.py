@@ -59,16 +59,6 @@ FLUSH_BLOCK = 32  # tail tokens quantized together once the tail exceeds window 
 FUSED_LAYOUTS = cpu_fused.FUSED_SCHEMES + cpu_fused.DITHER_SCHEMES + ("fp8", "kivi2", "prerope")  # Scheme.layout values the kernel reads in place
 
 
-_POS = [torch.zeros(0, dtype=torch.int32)]
-
-
-def _positions(n):
-    """arange(n) int32, a view of one growing buffer (no per-step allocation)."""
-    if _POS[0].shape[0] < n:
-        _POS[0] = torch.arange(max(n, 2 * _POS[0].shape[0], 1024), dtype=torch.int32)
-    return _POS[0][:n]
-
-
 def _repeats(idx, on):
     """[B, Hkv, E] bool: entry e repeats an earlier switched-on entry of the same token. After keep_tokens the
     overlay of a head that keeps fewer entries is padded with switched-on duplicates (hf_cache
@@ -85,6 +75,7 @@ class FusedLayer(CertifiedLayer):
         """Quantize window leavers in blocks of FLUSH_BLOCK tokens, not one per step: the tail keeps
         between `window` and `window + FLUSH_BLOCK` exact tokens (never fewer than the meter's)."""
         if everything or not self.fused_ok() or self.k_tail.shape[2] >= self.cache.window + FLUSH_BLOCK:
+            self._seg1 = None  # the tail loses its first rows: segment 1 is rebuilt
             super()._flush(everything)
 
     def fused_ok(self):
@@ -147,17 +138,39 @@ class FusedLayer(CertifiedLayer):
             else:
                 s0, ng = cpu_fused.seg(Hkv, 0), (1, 1)
             self._seg0 = (key0, (s0, ng, on_u8, ex_pos), va[:, :, :nq].clone(), self.ex_on.clone())
+        return [s0, self._segment1(nq, E, on_u8, ex_pos, va)], ng
+
+    def _segment1(self, nq, E, on_u8, ex_pos, va):
+        """Segment 1: the E exact overlay rows, then the R exact tail rows, in buffers kept across steps. A step copies
+        in only its new tail rows and the tail's readable flags (flags may change in place) and sets the segment's
+        length n = E + R; the buffers and the segment (checked by seg() at their whole capacity, so any n up to it is
+        in bounds) are rebuilt when the quantized part, the overlay or its flags change (a flush, an eviction: _flush /
+        keep_tokens drop them) or the tail outgrows the capacity. The tail is append-only in between (update's cat)."""
+        B, Hkv, D = self.B, self.Hkv, self.D
         R = self.k_tail.shape[2]
-        tail_pos = _positions(nq + R)[nq:].view(1, 1, R).expand(B, Hkv, R)
-        if E:
-            k1 = torch.cat([self.ex_k, self.k_tail], 2)
-            v1 = torch.cat([self.ex_v, self.v_tail], 2)
-            pos = torch.cat([ex_pos, tail_pos], 2)
-            val = torch.cat([on_u8, va[:, :, nq:]], 2)
-        else:
-            k1, v1, pos, val = self.k_tail, self.v_tail, tail_pos.contiguous(), va[:, :, nq:].contiguous()
-        s1 = cpu_fused.seg(Hkv, k1.shape[2], k=k1, v=v1, valid=val, pos=pos)
-        return [s0, s1], ng
+        key = (nq, E, self.ex_k.data_ptr(), on_u8.data_ptr())
+        st = getattr(self, "_seg1", None)
+        if st is None or st["key"] != key or E + R > st["cap"] or st["rows"] > R:
+            cap = E + max(R, self.cache.window + FLUSH_BLOCK) + 8
+            k1, v1 = self.k_tail.new_empty(B, Hkv, cap, D), self.v_tail.new_empty(B, Hkv, cap, D)
+            pos = (torch.arange(cap, dtype=torch.int32) + (nq - E)).view(1, 1, cap).expand(B, Hkv, cap).contiguous()
+            val = torch.zeros(B, Hkv, cap, dtype=torch.uint8)
+            if E:
+                k1[:, :, :E], v1[:, :, :E], pos[:, :, :E], val[:, :, :E] = self.ex_k, self.ex_v, ex_pos, on_u8
+            st = self._seg1 = {"key": key, "cap": cap, "rows": 0, "k": k1, "v": v1, "val": val,
+                               "seg": cpu_fused.seg(Hkv, cap, k=k1, v=v1, valid=val, pos=pos)}
+        rows = st["rows"]
+        if R > rows:
+            st["k"][:, :, E + rows:E + R] = self.k_tail[:, :, rows:]
+            st["v"][:, :, E + rows:E + R] = self.v_tail[:, :, rows:]
+            st["rows"] = R
+        st["val"][:, :, E:E + R] = va[:, :, nq:nq + R]
+        st["seg"]["c"].n = E + R
+        return st["seg"]
+
+    def keep_tokens(self, index):
+        self._seg1 = None  # the tail and the overlay are rebuilt: so is segment 1
+        return super().keep_tokens(index)
 
 
 def _codes(layout, kq, vq):
