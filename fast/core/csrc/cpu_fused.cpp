@@ -399,8 +399,8 @@ inline __m256 dither_half8(__m256i w, int low) {
     return _mm256_mul_ps(_mm256_cvtepi32_ps(k), _mm256_set1_ps(0x1p-17f));
 }
 
-// 8 x 8 floats: rows x[0..7] -> columns, written to out + 8 l (row l of the result = lane l of every x)
-inline void transpose8_store(const __m256* x, float* out) {
+// 8 x 8 floats: rows x[0..7] -> columns, row l of the result (lane l of every x) written to out + l * stride
+inline void transpose8_store(const __m256* x, float* out, int64_t stride) {
     const __m256 t0 = _mm256_unpacklo_ps(x[0], x[1]), t1 = _mm256_unpackhi_ps(x[0], x[1]);
     const __m256 t2 = _mm256_unpacklo_ps(x[2], x[3]), t3 = _mm256_unpackhi_ps(x[2], x[3]);
     const __m256 t4 = _mm256_unpacklo_ps(x[4], x[5]), t5 = _mm256_unpackhi_ps(x[4], x[5]);
@@ -409,14 +409,14 @@ inline void transpose8_store(const __m256* x, float* out) {
     const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
     const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
     const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-    _mm256_storeu_ps(out + 0, _mm256_permute2f128_ps(u0, u4, 0x20));
-    _mm256_storeu_ps(out + 8, _mm256_permute2f128_ps(u1, u5, 0x20));
-    _mm256_storeu_ps(out + 16, _mm256_permute2f128_ps(u2, u6, 0x20));
-    _mm256_storeu_ps(out + 24, _mm256_permute2f128_ps(u3, u7, 0x20));
-    _mm256_storeu_ps(out + 32, _mm256_permute2f128_ps(u0, u4, 0x31));
-    _mm256_storeu_ps(out + 40, _mm256_permute2f128_ps(u1, u5, 0x31));
-    _mm256_storeu_ps(out + 48, _mm256_permute2f128_ps(u2, u6, 0x31));
-    _mm256_storeu_ps(out + 56, _mm256_permute2f128_ps(u3, u7, 0x31));
+    _mm256_storeu_ps(out + 0 * stride, _mm256_permute2f128_ps(u0, u4, 0x20));
+    _mm256_storeu_ps(out + 1 * stride, _mm256_permute2f128_ps(u1, u5, 0x20));
+    _mm256_storeu_ps(out + 2 * stride, _mm256_permute2f128_ps(u2, u6, 0x20));
+    _mm256_storeu_ps(out + 3 * stride, _mm256_permute2f128_ps(u3, u7, 0x20));
+    _mm256_storeu_ps(out + 4 * stride, _mm256_permute2f128_ps(u0, u4, 0x31));
+    _mm256_storeu_ps(out + 5 * stride, _mm256_permute2f128_ps(u1, u5, 0x31));
+    _mm256_storeu_ps(out + 6 * stride, _mm256_permute2f128_ps(u2, u6, 0x31));
+    _mm256_storeu_ps(out + 7 * stride, _mm256_permute2f128_ps(u3, u7, 0x31));
 }
 #endif
 
@@ -462,7 +462,7 @@ inline void dither_u(uint32_t k0, uint32_t k1, uint64_t token0, int64_t n, int64
                 const __m256i w[4] = {c0[i], c1[i], c2[i], c3[i]};
                 __m256 x[8];
                 for (int c = 0; c < 8; ++c) x[c] = dither_half8(w[c >> 1], c & 1);
-                transpose8_store(x, u + (t + i) * D + 8 * b);
+                transpose8_store(x, u + (t + i) * D + 8 * b, 8);
             }
         }
     }
@@ -1084,23 +1084,7 @@ void run(const Args& a) {
                             x[t] = _mm256_i32gather_ps(a.lut, ci, 4);
                         }
                     }
-                    const __m256 t0 = _mm256_unpacklo_ps(x[0], x[1]), t1 = _mm256_unpackhi_ps(x[0], x[1]);
-                    const __m256 t2 = _mm256_unpacklo_ps(x[2], x[3]), t3 = _mm256_unpackhi_ps(x[2], x[3]);
-                    const __m256 t4 = _mm256_unpacklo_ps(x[4], x[5]), t5 = _mm256_unpackhi_ps(x[4], x[5]);
-                    const __m256 t6 = _mm256_unpacklo_ps(x[6], x[7]), t7 = _mm256_unpackhi_ps(x[6], x[7]);
-                    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-                    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-                    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-                    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-                    float* dst = rt + (j - j0);
-                    _mm256_storeu_ps(dst + 0 * L, _mm256_permute2f128_ps(u0, u4, 0x20));
-                    _mm256_storeu_ps(dst + 1 * L, _mm256_permute2f128_ps(u1, u5, 0x20));
-                    _mm256_storeu_ps(dst + 2 * L, _mm256_permute2f128_ps(u2, u6, 0x20));
-                    _mm256_storeu_ps(dst + 3 * L, _mm256_permute2f128_ps(u3, u7, 0x20));
-                    _mm256_storeu_ps(dst + 4 * L, _mm256_permute2f128_ps(u0, u4, 0x31));
-                    _mm256_storeu_ps(dst + 5 * L, _mm256_permute2f128_ps(u1, u5, 0x31));
-                    _mm256_storeu_ps(dst + 6 * L, _mm256_permute2f128_ps(u2, u6, 0x31));
-                    _mm256_storeu_ps(dst + 7 * L, _mm256_permute2f128_ps(u3, u7, 0x31));
+                    transpose8_store(x, rt + (j - j0), L);
                 }
             }
 #endif
