@@ -123,6 +123,31 @@ def test_second_turn_rows():
     assert bool((rec["min"] >= 0).all()) and bool((rec["min"] <= 1).all())
 
 
+def test_dither_second_turn_rows_match_the_meter(monkeypatch):
+    """Dithered codes in a multi-token read (a second turn over a cache, batch 2): the kernel's rows (dither regenerated
+    at read, the estimate from its sums) against the meter's twin rows (served copy, fp64 dither_forms): the same
+    outputs up to fp32 order, every row's certificate and dither estimate within the room of the epilogue."""
+    monkeypatch.setattr(hf_fused, "FLUSH_BLOCK", 1)
+    ids = tiny_ids(B=2, N=50)
+    runs = []
+    for cls, attn in ((TwinCache, "kvcert"), (FusedCertifiedCache, hf_fused.NAME)):
+        model = tiny_llama(attn=attn)
+        cache = cls(model.config, "int8_dither", window=4, sinks=2, seed=3)
+        with torch.no_grad():
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            hf_meter.set_current(None)
+            out = model(input_ids=ids[:, :5], past_key_values=cache, use_cache=True).logits
+        runs.append((out, cache))
+    (ref_out, ref), (fus_out, fus) = runs
+    assert fus.fused_reads == 2 and len(fus.row_records) == len(ref.row_records) == 2
+    torch.testing.assert_close(fus_out, ref_out, rtol=1e-4, atol=1e-4)
+    for r, f in zip(ref.row_records, fus.row_records):
+        assert f["dither_estimate"].shape == r["dither_estimate"].shape == (2, 5, 4)
+        assert bool((f["min"] >= r["min"] * (1 - 1e-5)).all())
+        est, want = f["dither_estimate"], r["dither_estimate"]
+        assert bool((est >= want * (1 - 1e-2)).all()) and bool((est <= want * (1 + 1e-3) + 1e-6).all())
+
+
 def test_block_flush_keeps_the_window_exact():
     ids = tiny_ids(B=1, N=70)
     _, cache = _run(FusedCertifiedCache, hf_fused.NAME, ids, 40, window=8, sinks=4)
