@@ -367,14 +367,6 @@ inline void philox4x32_10(uint32_t c[4], uint32_t k0, uint32_t k1) {
     }
 }
 
-// the key (k0, k1) of one (layer, row, head, stream): the first stage above
-inline void dither_key(uint64_t seed, uint32_t layer, uint32_t row, uint32_t head, uint32_t stream, uint32_t* key2) {
-    uint32_t c[4] = {layer, row, head, stream};
-    philox4x32_10(c, (uint32_t)seed, (uint32_t)(seed >> 32));
-    key2[0] = c[0];
-    key2[1] = c[1];
-}
-
 // u of channel 8 b + 2 j + h from word j of block b's Philox
 inline float dither_one(const uint32_t* w, int64_t c) {
     const uint32_t word = w[(c & 7) >> 1];
