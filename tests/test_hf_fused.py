@@ -21,8 +21,8 @@ def TwinCache(config, scheme, **kw):
     return CertifiedCache(config, scheme, backend="torch", **kw)
 
 
-def _run(cache_cls, attn, ids, steps, before_step=None, scheme="int8", **kw):
-    model = tiny_llama(attn=attn)
+def _run(cache_cls, attn, ids, steps, before_step=None, scheme="int8", kv_heads=2, **kw):
+    model = tiny_llama(attn=attn, kv_heads=kv_heads)
     cache = cache_cls(model.config, scheme, **kw)
     logits = []
     with torch.no_grad():
@@ -76,6 +76,67 @@ def test_decode_matches_meter(monkeypatch, scheme, derived):
             est, want = f["dither_estimate"], r["dither_estimate"]
             assert est.shape == want.shape and bool((est < f["min"]).any()), "the estimate must say something"
             assert bool((est >= want * (1 - 1e-2)).all()) and bool((est <= want * (1 + 1e-3) + 1e-6).all())
+
+
+def _repair_0_2(cache, t):
+    if t == 2:  # non-adjacent KV heads of layer 0: the fused read takes them in two runs
+        cache.layers[0].repair([0, 2])
+
+
+@pytest.mark.parametrize("scheme,gate,kv_heads,hook", [("int4", "certified:0.4", 4, None), ("int4", "certified:0.39", 2, None),
+                                                       ("int4", "risk:2", 2, None), ("int8_dither", "certified:0.022", 2, None),
+                                                       ("int8", "risk:0", 4, _repair_0_2)])
+def test_gated_decode_matches_meter(monkeypatch, scheme, gate, kv_heads, hook):
+    """The gate on the fused read (certified:TAU, risk:K; offload "full") against the meter's twin gate: the same
+    heads repaired at the same steps, the same logits, pre-gate and served certificates within the epilogue's room
+    (a repaired head is read from the exact copy: certificate 0), the dither estimate taking the certificate on
+    repaired heads. The runs below repair heads mid-generation and leave others on their codes; the last one repairs
+    two non-adjacent KV heads by hand (as risk:K does), which the fused read takes in two calls."""
+    monkeypatch.setattr(hf_fused, "FLUSH_BLOCK", 1)
+    ids = tiny_ids(B=2, N=70)
+    kw = dict(window=8, sinks=4, scheme=scheme, gate=gate, kv_heads=kv_heads, before_step=hook, seed=11)
+    ref_logits, ref = _run(TwinCache, "kvcert", ids, 8, **kw)
+    fus_logits, fus = _run(CertifiedCache, hf_fused.NAME, ids, 8, **kw)
+    assert all(layer.fused_ok() for layer in fus.layers) and fus.fused_reads == 8 * 2
+    torch.testing.assert_close(fus_logits, ref_logits, rtol=1e-4, atol=1e-4)
+    assert len(fus.records) == len(ref.records) == 16
+    for r, f in zip(ref.records, fus.records):
+        assert torch.equal(r["repaired"], f["repaired"]) and r["fresh_repairs"] == f["fresh_repairs"], (r["step"], r["layer"])
+        rep = f["repaired"].repeat_interleave(2)  # [H]
+        assert bool((f["min"][:, rep] < 1e-3).all())  # exact keys from the exact copy: the rounding terms alone
+        for name in ("pre_min", "min"):
+            assert bool((f[name] >= r[name] * (1 - 1e-5)).all()) and bool((f[name] <= r[name] * 1.01 + 1e-6).all()), name
+        if "dither_estimate" in r:
+            est, want = f["dither_estimate"], r["dither_estimate"]
+            assert bool((est >= want * (1 - 1e-2)).all()) and bool((est <= want * (1 + 1e-3) + 1e-6).all())
+    if gate.startswith("certified") and scheme == "int4":  # the runs must exercise what they claim
+        assert any(f["fresh_repairs"] and f["step"] > 1 for f in fus.records)
+        assert not all(bool(layer.repaired.all()) for layer in fus.layers)
+    if hook:
+        assert fus.layers[0].repaired.tolist() == [True, False, True, False]
+
+
+def test_gated_second_turn_rows_match_the_meter(monkeypatch):
+    """A multi-token read through the gate: the worst row of each KV head decides its repair, as in the meter."""
+    monkeypatch.setattr(hf_fused, "FLUSH_BLOCK", 1)
+    ids = tiny_ids(B=2, N=50)
+    runs = []
+    for cls, attn in ((TwinCache, "kvcert"), (CertifiedCache, hf_fused.NAME)):
+        model = tiny_llama(attn=attn)
+        cache = cls(model.config, "int4", window=4, sinks=2, gate="certified:0.38")
+        with torch.no_grad():
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            hf_meter.set_current(None)
+            out = model(input_ids=ids[:, :5], past_key_values=cache, use_cache=True).logits
+        runs.append((out, cache))
+    (ref_out, ref), (fus_out, fus) = runs
+    assert fus.fused_reads == 2 and len(fus.row_records) == len(ref.row_records) == 2
+    torch.testing.assert_close(fus_out, ref_out, rtol=1e-4, atol=1e-4)
+    assert sum(f["fresh_repairs"] for f in fus.row_records) == 1
+    for r, f in zip(ref.row_records, fus.row_records):
+        assert torch.equal(r["repaired"], f["repaired"]) and r["fresh_repairs"] == f["fresh_repairs"]
+        for name in ("pre_min", "min"):
+            assert bool((f[name] >= r[name] * (1 - 1e-5)).all()) and bool((f[name] <= r[name] * 1.01 + 1e-6).all()), name
 
 
 def test_readable_flags_changed_in_place_are_read():

@@ -4,9 +4,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
-def tiny_llama(seed=0, layers=2, attn="sdpa"):
+def tiny_llama(seed=0, layers=2, attn="sdpa", kv_heads=2):
     config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                         num_attention_heads=2 * kv_heads, num_key_value_heads=kv_heads, head_dim=32, max_position_embeddings=512,
                          rope_theta=10000.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
                          tie_word_embeddings=False)
     torch.manual_seed(seed)

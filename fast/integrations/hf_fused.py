@@ -25,10 +25,13 @@ What changes against CertifiedCache + the "kvcert" meter (fast.integrations.hf_m
 - The certificate epilogue (fast.core.cpu_fused._certificate: C++, numpy fallback) runs once per
   step for all layers, after the last one: cache.records gets one record per (step, layer) as
   with the meter.
+- Gates certified:TAU and risk:K (offload "full"): the layer's certificate is taken at once (_gated), the KV heads
+  over TAU are promoted, and repaired heads are read from the exact copy through the kernel (c = 0), as the
+  meter's gate serves them.
 Falls back to the torch twin (hf_meter's decode_step / rows_step, the served fp32 copy), certified
-the same way, where the kernel does not apply: registered schemes, kivi2_dither, gates,
-shadow mode, value or box bounds, the subspace witness, non-fp32 models. The first prefill reads the exact
-states with sdpa, as everywhere.
+the same way, where the kernel does not apply: registered schemes, kivi2_dither, the ladder gate and
+offload "residual", shadow mode, value or box bounds, the subspace witness, non-fp32 models. The first
+prefill reads the exact states with sdpa, as everywhere.
 """
 
 import functools
@@ -81,16 +84,17 @@ class FusedLayer(CertifiedLayer):
             super()._flush(everything)
 
     def fused_ok(self):
-        """A layout the kernel reads in place (FUSED_LAYOUTS: int8, int4, fp8, kivi2, prerope), no gate (so no repaired heads:
-        only gates repair), no shadow, no value bound or box form, certified or certify=False, fp32 on
-        CPU, kernel built. Fixed for the layer's life: computed once (it is asked
+        """A layout the kernel reads in place (FUSED_LAYOUTS: int8, int4, fp8, kivi2, prerope, dithered int8 / int4), no
+        gate or certified:TAU / risk:K with offload "full" (repaired heads read from the exact copy), no shadow, no
+        value bound or box form, certified or certify=False, fp32 on CPU, kernel built. Fixed for the layer's life: computed once (it is asked
         twice per layer and step)."""
         ok = getattr(self, "_fused_ok", None)
         if ok is None:
             if not self.is_initialized:
                 return False
             c = self.cache
-            ok = self._fused_ok = (c.scheme.layout in FUSED_LAYOUTS and c.gate.kind == "none" and not c.shadow
+            gate_ok = c.gate.kind == "none" or (c.gate.kind in ("certified", "risk") and c.offload == "full")
+            ok = self._fused_ok = (c.scheme.layout in FUSED_LAYOUTS and gate_ok and not c.shadow
                                    and not c.value_bound and not c.box_form and not c.subspace
                                    and self.dtype == torch.float32 and self.device.type == "cpu"
                                    and cpu_fused.available())
@@ -212,11 +216,74 @@ def fused_read(layer, query, scale):
     F = _dither_factor(layer, n, T) if cache.scheme.dither and cache.certify and layer.nq else None
     out, stats, *dstats = cpu_fused._run(q, qpos, segs, float(scale), _bands(cache), ngk, ngv, cache.certify, lut, dither_F=F)
     cache.fused_reads += 1
-    if cache.certify:
+    if cache.certify and cache.gate.kind != "none":
+        _gated(layer, q, qpos, float(scale), out, stats, dstats[0] if dstats else None)
+    elif cache.certify:
         cache._pending.append((layer, stats, n, q, dstats[0] if dstats else None))
         if layer.layer_idx == cache.num_layers - 1:
             flush_certificates(cache)
     return out.to(query.dtype)
+
+
+def _gated(layer, q, qpos, scale, out, stats, dstats):
+    """The gate on a fused read (certified:TAU, risk:K; offload "full"), as hf_meter._gated serves it: the layer's
+    certificate at once (not in the step's batched epilogue: the gate needs it before the next layer reads); the
+    KV heads already repaired are read again from the exact copy (the kernel read their codes too; their output
+    and certificate are replaced); then (certified:TAU) every other KV head whose worst certificate over the
+    read's rows and batch exceeds TAU is promoted (exact from now on) and read from the exact copy as well. A
+    KV head's certificate depends on its own keys only, so the heads not promoted keep theirs: one round
+    suffices. The record's pre_min is the certificate before this read's promotions, fresh_repairs their number.
+    out (the kernel's [B, T, H, D]) is overwritten in place for the heads read exactly."""
+    cache, N = layer.cache, layer.n
+    cert = _layer_cert(layer, stats, q, N)
+    _read_exact(layer, q, qpos, scale, out, cert, layer.repaired.nonzero().flatten().tolist())
+    pre, fresh = cert["min"].clone(), []
+    if cache.gate.kind == "certified":
+        worst = hf_meter._slot(pre.amax(1), layer.Hkv)  # [Hkv]: the worst row, batch entry and query head
+        fresh = ((worst > cache.gate.tau) & ~layer.repaired).nonzero().flatten().tolist()
+    if fresh:
+        layer.promote(fresh)
+        _read_exact(layer, q, qpos, scale, out, cert, fresh)
+    if cache.scheme.dither:
+        dcert = None if dstats is None else _certificate_or_none(layer, dstats, N)
+        est = _dither_estimate(cert, dcert, None if dstats is None else 0, q.shape[0])
+        cert["dither_estimate"] = hf_meter._repaired_take_cert(est, cert["min"], layer.off_base())
+    _record(layer, cert, N, pre, len(fresh))
+
+
+def _certificate_or_none(layer, stats, N):
+    return cpu_fused._certificate(stats, layer.cache.bands.shape[0], N, layer.cache.head_dim)
+
+
+def _layer_cert(layer, stats, q, N):
+    """One layer's certificate dict [B, T, H] from the kernel stats (the twin's where the epilogue refuses)."""
+    c = _certificate_or_none(layer, stats, N)
+    return {k: c[k] for k in ("max_c",) + FORMS} if c is not None else _twin_cert(layer, q, N)
+
+
+def _read_exact(layer, q, qpos, scale, out, cert, heads):
+    """Read KV heads `heads` (repaired: served exact) from the layer's exact copy through the kernel (exact fp32 rows,
+    c = 0), one call per run of adjacent heads (each a strided view: no copy of the keys); their output rows of
+    `out` and their certificate entries in `cert` are replaced."""
+    G = q.shape[2] // layer.Hkv
+    runs = []
+    for h in sorted(heads):
+        if runs and runs[-1][1] == h:
+            runs[-1][1] = h + 1
+        else:
+            runs.append([h, h + 1])
+    for h0, h1 in runs:
+        hs = slice(h0 * G, h1 * G)
+        qs = q[:, :, hs].contiguous()
+        ex = cpu_fused.seg(h1 - h0, layer.n, k=layer.exact_k[:, h0:h1], v=layer.exact_v[:, h0:h1],
+                           valid=layer.valid[:, h0:h1].view(torch.uint8))
+        o, st = cpu_fused._run(qs, qpos, [cpu_fused.seg(h1 - h0, 0), ex], scale, _bands(layer.cache), 1, 1, True)
+        out[:, :, hs] = o
+        c = _certificate_or_none(layer, st, layer.n)
+        if c is None:  # the twin's certificate of the layer as now served (these heads exact)
+            c = {k: v[:, :, hs] for k, v in _twin_cert(layer, q, layer.n).items()}
+        for k in ("max_c",) + FORMS:
+            cert[k][:, :, hs] = c[k]
 
 
 def _dither_factor(layer, n, T):
@@ -291,24 +358,26 @@ def _twin_cert(layer, q, N):
     return with_other_logits(c, logit_rounding(q.abs().amax(1), max_abs(k), s))
 
 
-def _record(layer, cert, N):
+def _record(layer, cert, N, pre=None, fresh=0):
     """One record as the meter writes it (hf_meter.decode_step / rows_step), from a certificate dict of
     [B, T, H] tensors: a decode read (T = 1) in cache.records with [B, H] tensors, a multi-row read
-    (a second turn, chunked prefill) in cache.row_records with its rows' positions."""
+    (a second turn, chunked prefill) in cache.row_records with its rows' positions. pre: the certificate before
+    the gate's promotions of this read (None: none, the certificate itself), fresh: their number."""
     cache = layer.cache
     T = cert["min"].shape[1]
-    rec = {"layer": layer.layer_idx, "repaired": layer.repaired.clone(), "rung": layer.rung.clone(), "fresh_repairs": 0}
+    pre = cert["min"] if pre is None else pre
+    rec = {"layer": layer.layer_idx, "repaired": layer.repaired.clone(), "rung": layer.rung.clone(), "fresh_repairs": fresh}
     est = {"dither_estimate": cert["dither_estimate"]} if "dither_estimate" in cert else {}
     if T == 1:
         layer.steps += 1
-        rec.update({"step": layer.steps, "pre_min": cert["min"][:, 0], "max_c": cert["max_c"][:, 0].float()})
+        rec.update({"step": layer.steps, "pre_min": pre[:, 0], "max_c": cert["max_c"][:, 0].float()})
         rec.update({f: cert[f][:, 0].float() for f in (*FORMS, *est)})
         cache.records.append(rec)
         return
     t0 = layer.steps
     layer.steps += T  # each row is one read, as in the meter
     rec.update({"call": len(cache.row_records), "pos": torch.arange(N - T, N), "steps": (t0 + 1, t0 + T),
-                "pre_min": cert["min"], "max_c": cert["max_c"].float()})
+                "pre_min": pre, "max_c": cert["max_c"].float()})
     rec.update({f: cert[f].float() for f in (*FORMS, *est)})
     cache.row_records.append(rec)
 
