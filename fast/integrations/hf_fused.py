@@ -234,14 +234,16 @@ def _gated(layer, q, qpos, scale, out, stats, dstats):
     KV head's certificate depends on its own keys only, so the heads not promoted keep theirs: one round
     suffices. The record's pre_min is the certificate before this read's promotions, fresh_repairs their number.
     out (the kernel's [B, T, H, D]) is overwritten in place for the heads read exactly."""
-    cache, N = layer.cache, layer.n
+    cache, N, Hkv = layer.cache, layer.n, layer.Hkv
     cert = _layer_cert(layer, stats, q, N)
-    _read_exact(layer, q, qpos, scale, out, cert, layer.repaired.nonzero().flatten().tolist())
-    pre, fresh = cert["min"].clone(), []
-    if cache.gate.kind == "certified":
-        worst = hf_meter._slot(pre.amax(1), layer.Hkv)  # [Hkv]: the worst row, batch entry and query head
-        fresh = ((worst > cache.gate.tau) & ~layer.repaired).nonzero().flatten().tolist()
+    rep = layer.repaired.tolist()
+    _read_exact(layer, q, qpos, scale, out, cert, [h for h in range(Hkv) if rep[h]])
+    pre, fresh = cert["min"], []
+    if cache.gate.kind == "certified":  # each KV head's worst row, batch entry and query head
+        worst = pre.view(-1, Hkv, pre.shape[-1] // Hkv).amax((0, 2)).tolist()
+        fresh = [h for h in range(Hkv) if worst[h] > cache.gate.tau and not rep[h]]
     if fresh:
+        pre = pre.clone()
         layer.promote(fresh)
         _read_exact(layer, q, qpos, scale, out, cert, fresh)
     if cache.scheme.dither:
@@ -275,15 +277,34 @@ def _read_exact(layer, q, qpos, scale, out, cert, heads):
     for h0, h1 in runs:
         hs = slice(h0 * G, h1 * G)
         qs = q[:, :, hs].contiguous()
-        ex = cpu_fused.seg(h1 - h0, layer.n, k=layer.exact_k[:, h0:h1], v=layer.exact_v[:, h0:h1],
-                           valid=layer.valid[:, h0:h1].view(torch.uint8))
-        o, st = cpu_fused._run(qs, qpos, [cpu_fused.seg(h1 - h0, 0), ex], scale, _bands(layer.cache), 1, 1, True)
+        o, st = cpu_fused._run(qs, qpos, [cpu_fused.seg(h1 - h0, 0), _exact_seg(layer, h0, h1)], scale, _bands(layer.cache),
+                               1, 1, True)
         out[:, :, hs] = o
         c = _certificate_or_none(layer, st, layer.n)
         if c is None:  # the twin's certificate of the layer as now served (these heads exact)
             c = {k: v[:, :, hs] for k, v in _twin_cert(layer, q, layer.n).items()}
         for k in ("max_c",) + FORMS:
             cert[k][:, :, hs] = c[k]
+
+
+def _exact_seg(layer, h0, h1):
+    """The kernel segment of KV heads h0 .. h1 - 1 of the exact copy (exact_k, exact_v, valid), kept across steps as
+    segment 1 is: built over the buffers' whole capacity (each append-only until it grows or an eviction replaces
+    it), its length set to the layer's n at each read."""
+    g = layer._grow
+    if not all(name in g for name in ("exact_k", "exact_v", "valid")):  # not appended yet: views of the tensors
+        return cpu_fused.seg(h1 - h0, layer.n, k=layer.exact_k[:, h0:h1], v=layer.exact_v[:, h0:h1],
+                             valid=layer.valid[:, h0:h1].view(torch.uint8))
+    k, v, va = g["exact_k"].buf, g["exact_v"].buf, g["valid"].buf
+    key = (k.data_ptr(), v.data_ptr(), va.data_ptr(), k.shape[2], v.shape[2], va.shape[2])
+    segs = layer.__dict__.setdefault("_exact_segs", {})
+    st = segs.get((h0, h1))
+    if st is None or st[0] != key:
+        cap = min(k.shape[2], v.shape[2], va.shape[2])
+        st = segs[(h0, h1)] = (key, cpu_fused.seg(h1 - h0, cap, k=k[:, h0:h1, :cap], v=v[:, h0:h1, :cap],
+                                                  valid=va[:, h0:h1, :cap].view(torch.uint8)))
+    st[1]["c"].n = layer.n
+    return st[1]
 
 
 def _dither_factor(layer, n, T):
