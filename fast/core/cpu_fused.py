@@ -399,7 +399,8 @@ def seg(Hkv, n, *, k=None, v=None, k_scales=None, v_scales=None, rho=None, valid
     fp8 codes: fp8 = Fp8Read(...) with k / v the codes (float8 or their uint8 bytes [B, Hkv, N, D]) and k_scales / v_scales
     both fp32 [B, Hkv, N, 1] (one scale per token) or both None (Fp8Read.scale): fp8_parts(qt) builds them from a QTensor.
     Dithered int8 / int4 codes: dither = Dither(seed, layer, token_start) beside k / v and their scales (the QTensors'
-    counters; dither_parts(qt) builds them)."""
+    counters; dither_parts(qt) builds them); dithered 2-bit asymmetric codes (kivi2_dither): dither beside k_asym (2 bits,
+    no rope) and v_asym, x~ = fl(fl((code - u) scale) + zero)."""
     if isinstance(Hkv, bool) or not isinstance(Hkv, int) or Hkv < 1 or isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"seg: Hkv >= 1 and n >= 0 integers, got {Hkv!r}, {n!r}")
     c = _Seg()
@@ -407,12 +408,17 @@ def seg(Hkv, n, *, k=None, v=None, k_scales=None, v_scales=None, rho=None, valid
     keep = {"Hkv": Hkv, "c": c}
     if n == 0:
         return keep
-    if dither is not None and (fp8 is not None or k_asym is not None or v_asym is not None):
-        raise ValueError("dither: symmetric int8 / int4 codes only (not fp8 or asymmetric codes)")
+    if dither is not None and (fp8 is not None or (k_asym is None) != (v_asym is None)
+                               or (isinstance(k_asym, AsymKeys) and (k_asym.bits != 2 or k_asym.rope is not None))):
+        raise ValueError("dither: symmetric int8 / int4 codes, or 2-bit asymmetric keys and values without rotation "
+                         "(kivi2_dither); not fp8 codes")
     if fp8 is not None:
         return _fp8_seg(Hkv, n, c, keep, k, v, k_scales, v_scales, fp8, rho, valid, exact, pos)
     if k_asym is not None or v_asym is not None:
-        return _asym_seg(Hkv, n, c, keep, k, v, k_scales, v_scales, k_asym, v_asym, rho, valid, exact, pos)
+        keep = _asym_seg(Hkv, n, c, keep, k, v, k_scales, v_scales, k_asym, v_asym, rho, valid, exact, pos)
+        if dither is not None:
+            _set_dither(c, keep, keep["B"], Hkv, n, keep["D"], dither)
+        return keep
     if k is None or v is None:
         raise ValueError("seg: keys and values are required for n > 0")
     B, W = (k.shape[0], k.shape[3]) if isinstance(k, torch.Tensor) and k.dim() == 4 else (0, 0)

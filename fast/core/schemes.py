@@ -265,7 +265,7 @@ class Scheme:
     derived_witness: the stored payload has a uniform step with |error| <= step/2;
     dither: the probabilistic tier (math.md T6) applies;
     layout: the stored layout when it is one the fused CPU read takes in place (fast.integrations.hf_fused
-    FUSED_LAYOUTS: "int8", "int4", "fp8", "kivi2", "prerope"), set by the built-in constructors only ("" otherwise:
+    FUSED_LAYOUTS: "int8", "int4", "int8_dither", "int4_dither", "fp8", "kivi2", "kivi2_dither", "prerope"), set by the built-in constructors only ("" otherwise:
     a Scheme built by hand is read by the torch twin, whatever its name).
     """
     name: str
@@ -306,7 +306,7 @@ def _kivi_dither_scheme():
     """kivi2_dither: |x - x_hat| <= step/2 elementwise (zero-memory witness) and the dither tier."""
     return Scheme("kivi2_dither", lambda x, L, t, seed: KiviDither.encode(x, "k", L, t, seed),
                   lambda x, L, t, seed: KiviDither.encode(x, "v", L, t, seed),
-                  block_k=KIVI_GROUP, derived_witness=True, dither=True)
+                  block_k=KIVI_GROUP, derived_witness=True, dither=True, layout="kivi2_dither")
 
 
 def _owned_output(name, x, x_hat):

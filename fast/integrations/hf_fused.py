@@ -15,7 +15,7 @@ What changes against CertifiedCache + the "kvcert" meter (fast.integrations.hf_m
   attention reads the layer's parts in place: int8 or packed int4 codes + fp16 scales (dithered too: the dither
   regenerated at read, the dither estimate from the same pass: _dither_estimate), fp8 codes (+ fp32 per-token
   scales, or vLLM's round-toward-zero casts with their tensor scale), kivi2's 2-bit
-  codes + fp16 scales and zeros, or pre-RoPE key codes (rotated at read) + int8 values, and the uint8
+  codes + fp16 scales and zeros (dithered too: kivi2_dither), or pre-RoPE key codes (rotated at read) + int8 values, and the uint8
   witness codes of the quantized part (segment 0; _codes), and the exact overlay (sinks) + exact tail
   (segment 1, fp32). Which schemes: Scheme.layout in FUSED_LAYOUTS (set by the built-in constructors).
 - Every query row with a cache behind it goes through the kernel: decode (T = 1) and multi-token
@@ -29,7 +29,7 @@ What changes against CertifiedCache + the "kvcert" meter (fast.integrations.hf_m
   over TAU are promoted, and repaired heads are read from the exact copy through the kernel (c = 0), as the
   meter's gate serves them.
 Falls back to the torch twin (hf_meter's decode_step / rows_step, the served fp32 copy), certified
-the same way, where the kernel does not apply: registered schemes, kivi2_dither, the ladder gate and
+the same way, where the kernel does not apply: registered schemes, the ladder gate and
 offload "residual", shadow mode, value or box bounds, the subspace witness, non-fp32 models. The first
 prefill reads the exact states with sdpa, as everywhere.
 """
@@ -61,7 +61,7 @@ def enable(model):
 
 
 FLUSH_BLOCK = 32  # tail tokens quantized together once the tail exceeds window + FLUSH_BLOCK
-FUSED_LAYOUTS = cpu_fused.FUSED_SCHEMES + cpu_fused.DITHER_SCHEMES + ("fp8", "kivi2", "prerope")  # Scheme.layout values the kernel reads in place
+FUSED_LAYOUTS = cpu_fused.FUSED_SCHEMES + cpu_fused.DITHER_SCHEMES + ("fp8", "kivi2", "kivi2_dither", "prerope")  # Scheme.layout values the kernel reads in place
 
 
 def _repeats(idx, on):
@@ -137,7 +137,7 @@ class FusedLayer(CertifiedLayer):
                 rho = self.rho_codes
                 if self.derived:
                     from fast.core.witness import witness_from_step
-                    rho = witness_from_step(self.kq.qt.step(), self.cache.bands)
+                    rho = witness_from_step(self.kq.step(), self.cache.bands)
                 s0 = cpu_fused.seg(Hkv, nq, **_codes(self.cache.scheme.layout, self.kq, self.vq),
                                    rho=rho if self.cache.certify else None, valid=vq0)
                 ng = s0["ng"]
@@ -184,7 +184,7 @@ def _codes(layout, kq, vq):
     scheme's layout: int8 / int4 QTensor codes + fp16 scales, fp8 codes (cpu_fused.fp8_parts), kivi2's 2-bit codes (keys per channel over blocks
     of 32 tokens, values per token group), prerope's pre-RoPE key codes (rotated at read) + int8 values."""
     from fast.core.prerope import PreRopeKeys
-    from fast.core.schemes import KiviKeys, KiviValues
+    from fast.core.schemes import KiviDither, KiviKeys, KiviValues
     if layout in cpu_fused.FUSED_SCHEMES:
         k, v = kq.qt, vq.qt
         return dict(k=k.codes, v=v.codes, k_scales=k.scales.view(torch.int16), v_scales=v.scales.view(torch.int16))
@@ -195,6 +195,12 @@ def _codes(layout, kq, vq):
     if layout == "kivi2" and isinstance(kq, KiviKeys) and isinstance(vq, KiviValues):
         return dict(k_asym=cpu_fused.AsymKeys(kq.get("codes"), kq.get("scale"), kq.get("zero"), 2, KIVI_GROUP),
                     v_asym=cpu_fused.AsymValues(vq.get("codes"), vq.get("scale"), vq.get("zero"), 2))
+    if layout == "kivi2_dither" and isinstance(kq, KiviDither) and isinstance(vq, KiviDither):
+        if (kq.kind, vq.kind) != ("k", "v") or (kq.seed, kq.layer, kq.token_start) != (vq.seed, vq.layer, vq.token_start):
+            raise RuntimeError("fused read: kivi2_dither keys and values must share seed, layer and token_start")
+        return dict(k_asym=cpu_fused.AsymKeys(kq.get("codes"), kq.get("scale"), kq.get("zero"), 2, KIVI_GROUP),
+                    v_asym=cpu_fused.AsymValues(vq.get("codes"), vq.get("scale"), vq.get("zero"), 2),
+                    dither=cpu_fused.Dither(int(kq.seed), int(kq.layer), int(kq.token_start)))
     if layout == "prerope" and isinstance(kq, PreRopeKeys) and vq.qt.scheme == "int8":
         cos, sin, _ = kq.rope
         v = vq.qt

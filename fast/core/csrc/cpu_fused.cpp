@@ -281,6 +281,8 @@ inline void abs_max_into(const float* x, int64_t D, float* m) {
     for (; d < D; ++d) m[d] = std::max(m[d], std::fabs(x[d]));
 }
 
+inline const float* dither_cached(uint32_t k0, uint32_t k1, uint64_t token, int64_t D);  // below, with the dither
+
 // Row jj of an asymmetric segment (Seg: kasym / vasym): x~ = fl(code * scale + zero) into buf, keys rotated when the segment
 // has RoPE tables; smax (keys): per channel max |k~| into smax[D + d], as for fp32 rows. The AVX2 loop computes the same
 // products and sums as the scalar one (the fp16 scales and zeros converted exactly either way), so the same bits.
@@ -303,6 +305,14 @@ inline const float* asym_row(const Seg& sg, bool values, int64_t b, int64_t h, i
     const bool rot = !values && sg.rcos;
     float pre[512];
     float* x = rot ? pre : buf;
+    // dithered codes (kivi2_dither: sg.dith): x~ = fl(fl((code - u) * scale) + zero), code - u exact in fp32 (a 2-bit code,
+    // u on a 2^-17 grid in (-1/2, 1/2)): fast.core.quant.kivi_dither_dequantize's operations; u of 0 otherwise
+    alignas(32) static const float no_u[512] = {};
+    const float* u = no_u;
+    if (sg.dith) {
+        const uint32_t* key = sg.dkey + b * sg.dk_sb + h * sg.dk_sh + (values ? 2 : 0);
+        u = dither_cached(key[0], key[1], (uint64_t)(sg.dtok0 + jj), D);
+    }
     int64_t d = 0;
 #if KVCERT_AVX2
     if (gw == 1) {  // a scale and a zero per channel
@@ -315,20 +325,23 @@ inline const float* asym_row(const Seg& sg, bool values, int64_t b, int64_t h, i
             for (int l = 0; l < 8; ++l) { sf[l] = half_to_float(sc[d + l]); zf[l] = half_to_float(zc[d + l]); }
             const __m256 s8 = _mm256_load_ps(sf), z8 = _mm256_load_ps(zf);
 #endif
-            _mm256_storeu_ps(x + d, _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(codes8(code, bits, d)), s8), z8));
+            const __m256 m = _mm256_sub_ps(_mm256_cvtepi32_ps(codes8(code, bits, d)), _mm256_loadu_ps(u + d));
+            _mm256_storeu_ps(x + d, _mm256_add_ps(_mm256_mul_ps(m, s8), z8));
         }
     } else if (gw % 8 == 0) {  // one per group of gw channels
         for (int64_t g = 0; g < ng; ++g) {
             const __m256 s8 = _mm256_set1_ps(half_to_float(sc[g])), z8 = _mm256_set1_ps(half_to_float(zc[g]));
-            for (d = g * gw; d < (g + 1) * gw; d += 8)
-                _mm256_storeu_ps(x + d, _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(codes8(code, bits, d)), s8), z8));
+            for (d = g * gw; d < (g + 1) * gw; d += 8) {
+                const __m256 m = _mm256_sub_ps(_mm256_cvtepi32_ps(codes8(code, bits, d)), _mm256_loadu_ps(u + d));
+                _mm256_storeu_ps(x + d, _mm256_add_ps(_mm256_mul_ps(m, s8), z8));
+            }
         }
     }
 #endif
     for (; d < D; ++d) {
         const int64_t bit = d * bits;
         const int c = (code[bit >> 3] >> (bit & 7)) & ((1 << bits) - 1);
-        const float p = (float)c * half_to_float(sc[d / gw]);
+        const float p = ((float)c - u[d]) * half_to_float(sc[d / gw]);
         x[d] = p + half_to_float(zc[d / gw]);
     }
     if (rot) {
@@ -738,7 +751,19 @@ constexpr double BIAS_RHO = 3.0 * 0x1p-17;         // fast.core.dither.BIAS_RHO
 // to fp32 rounded up. dither_radii writes c [L] (AVX2: 4 tokens per register, the scalar loop's operations in its order,
 // so the same bits); dither_sums then adds S1 = sum w c, S2 = sum (w c) c (w c exact, one rounding more: the epilogue's
 // margins) and max c over the readable tokens that are not exact (the fp32 segment and exact tokens: radius 0).
+// Asymmetric keys (kivi2_dither: sg.kasym, ng = D): d_g per channel, max(|scale|, |zero| 2^-7) STEP_MARGIN of the token's
+// block (fast.core.quant.kivi_dither_step, ZERO_REL = 2^-7; exact in fp64 as in fp32).
 inline void dither_steps(const Seg& sg, int64_t b, int64_t h, int64_t j0, int64_t jq, int64_t ng, int64_t L, double* dd) {
+    if (sg.kasym) {
+        for (int64_t j = j0; j < jq; ++j) {
+            const uint16_t* sc = sg.ks + b * sg.ks_sb + h * sg.ks_sh + (j / sg.kblk) * ng;
+            const uint16_t* zc = sg.kz + b * sg.kz_sb + h * sg.kz_sh + (j / sg.kblk) * ng;
+            for (int64_t g = 0; g < ng; ++g)
+                dd[g * L + (j - j0)] = std::max(std::fabs((double)half_to_float(sc[g])),
+                                                std::fabs((double)half_to_float(zc[g])) * 0x1p-7) * STEP_MARGIN;
+        }
+        return;
+    }
     for (int64_t j = j0; j < jq; ++j) {
         const uint16_t* sc = sg.ks + row_off(sg, sg.ks_sb, sg.ks_sh, b, h, j, ng);
         for (int64_t g = 0; g < ng; ++g) dd[g * L + (j - j0)] = std::fabs((double)half_to_float(sc[g])) * STEP_MARGIN;
@@ -828,21 +853,23 @@ void run(const Args& a) {
     k64_buf.resize((size_t)(B * T * H * NB));
     double* K64 = k64_buf.data();
     // the dither radius' per-row sums over each key scale group: sq_g = sum q_i^2, ab_g = sum |q_i| (dither_sums)
+    // (asymmetric keys: a step per channel, so D groups of one channel)
     static thread_local std::vector<double> dcoef, psum2;
+    const int64_t dng = a.seg[0].kasym ? D : a.ngk;
     if (a.dstats) {
-        const int64_t gw = D / a.ngk;
-        dcoef.resize((size_t)(B * T * H * 2 * a.ngk));
+        const int64_t gw = D / dng;
+        dcoef.resize((size_t)(B * T * H * 2 * dng));
         psum2.resize((size_t)(items * R * 3));
         for (int64_t r = 0; r < B * T * H; ++r)
-            for (int64_t g = 0; g < a.ngk; ++g) {
+            for (int64_t g = 0; g < dng; ++g) {
                 double sq = 0.0, ab = 0.0;
                 for (int64_t d = g * gw; d < (g + 1) * gw; ++d) {
                     const double x = (double)a.q[r * D + d];
                     sq += x * x;
                     ab += std::fabs(x);
                 }
-                dcoef[(size_t)((r * a.ngk + g) * 2)] = sq;
-                dcoef[(size_t)((r * a.ngk + g) * 2 + 1)] = ab;
+                dcoef[(size_t)((r * dng + g) * 2)] = sq;
+                dcoef[(size_t)((r * dng + g) * 2 + 1)] = ab;
             }
     }
     const double* DCOEF = dcoef.data();
@@ -1107,12 +1134,12 @@ void run(const Args& a) {
             const int64_t jq = std::max(j0, std::min(j1, N0));
             static thread_local std::vector<double> ddbuf;
             static thread_local std::vector<float> cbuf;
-            if (ddbuf.size() < (size_t)(a.ngk * L)) ddbuf.resize((size_t)(a.ngk * L));
+            if (ddbuf.size() < (size_t)(dng * L)) ddbuf.resize((size_t)(dng * L));
             if (cbuf.size() < (size_t)L) cbuf.resize((size_t)L);
-            dither_steps(a.seg[0], b, h, j0, jq, a.ngk, L, ddbuf.data());
+            dither_steps(a.seg[0], b, h, j0, jq, dng, L, ddbuf.data());
             for (int64_t r = 0; r < R; ++r) {
                 const int64_t t = r / G, hq = h * G + r % G;
-                dither_radii(ddbuf.data(), jq - j0, L, a.ngk, DCOEF + ((b * T + t) * H + hq) * 2 * a.ngk, a.dF, a.s64, cbuf.data());
+                dither_radii(ddbuf.data(), jq - j0, L, dng, DCOEF + ((b * T + t) * H + hq) * 2 * dng, a.dF, a.s64, cbuf.data());
                 dither_sums(a.seg[0], lg + r * N + j0, okr + r * N, cbuf.data(), b, h, j0, jq, PSUM2 + (it * R + r) * 3);
             }
         }
@@ -1311,7 +1338,7 @@ int epilogue(const double* st, int64_t rows, const EpiConst& k, float* out) {
 
 extern "C" {
 
-int kvcert_fused_abi() { return 4; }
+int kvcert_fused_abi() { return 5; }
 
 int kvcert_fused_avx2() { return KVCERT_AVX2; }
 
