@@ -60,6 +60,7 @@ def enable(model):
     return model
 
 
+CERT_KEYS = ("max_c",) + FORMS  # what a record takes from a certificate dict
 FLUSH_BLOCK = 32  # tail tokens quantized together once the tail exceeds window + FLUSH_BLOCK
 FUSED_LAYOUTS = cpu_fused.FUSED_SCHEMES + cpu_fused.DITHER_SCHEMES + ("fp8", "kivi2", "kivi2_dither", "prerope")  # Scheme.layout values the kernel reads in place
 
@@ -254,9 +255,12 @@ def _gated(layer, q, qpos, scale, out, stats, dstats):
         _read_exact(layer, q, qpos, scale, out, cert, fresh)
     if cache.scheme.dither:
         dcert = None if dstats is None else _certificate_or_none(layer, dstats, N)
-        est = _dither_estimate(cert, dcert, None if dstats is None else 0, q.shape[0])
+        est = _dither_estimate(cert["min"], None if dcert is None else dcert["min"], dstats is not None)
         cert["dither_estimate"] = hf_meter._repaired_take_cert(est, cert["min"], layer.off_base())
-    _record(layer, cert, N, pre, len(fresh))
+    T = q.shape[1]
+    if T == 1:  # a decode record holds [B, H] tensors
+        cert, pre = {k: v[:, 0] for k, v in cert.items()}, pre[:, 0]
+    _record(layer, cert, N, T, pre, len(fresh))
 
 
 def _certificate_or_none(layer, stats, N):
@@ -266,7 +270,7 @@ def _certificate_or_none(layer, stats, N):
 def _layer_cert(layer, stats, q, N):
     """One layer's certificate dict [B, T, H] from the kernel stats (the twin's where the epilogue refuses)."""
     c = _certificate_or_none(layer, stats, N)
-    return {k: c[k] for k in ("max_c",) + FORMS} if c is not None else _twin_cert(layer, q, N)
+    return {k: c[k] for k in CERT_KEYS} if c is not None else _twin_cert(layer, q, N)
 
 
 def _read_exact(layer, q, qpos, scale, out, cert, heads):
@@ -289,7 +293,7 @@ def _read_exact(layer, q, qpos, scale, out, cert, heads):
         c = _certificate_or_none(layer, st, layer.n)
         if c is None:  # the twin's certificate of the layer as now served (these heads exact)
             c = {k: v[:, :, hs] for k, v in _twin_cert(layer, q, layer.n).items()}
-        for k in ("max_c",) + FORMS:
+        for k in CERT_KEYS:
             cert[k][:, :, hs] = c[k]
 
 
@@ -334,38 +338,40 @@ def _bands(cache):
 
 
 def flush_certificates(cache):
-    """The certificate epilogue of every pending read in one batch (one step: same N and shapes)."""
+    """The certificate epilogue of every pending read in one batch (one step: same N and shapes). Each certificate
+    tensor is split once into the layers' views (a decode read's row axis dropped once): no per-layer slicing."""
     pend, cache._pending = cache._pending, []
     groups = {}
     for item in pend:
         groups.setdefault((item[2], tuple(item[1].shape)), []).append(item)
     NB, D = cache.bands.shape[0], cache.head_dim
     for (N, shape), items in groups.items():
-        B = shape[0]
+        B, T = shape[0], shape[1]
+        drop = (lambda x: x[:, 0]) if T == 1 else (lambda x: x)  # a decode record holds [B, H] tensors
         cert = cpu_fused._certificate(torch.cat([it[1] for it in items]), NB, N, D)
-        dith = [i for i, it in enumerate(items) if it[4] is not None]
-        dcert = cpu_fused._certificate(torch.cat([items[i][4] for i in dith]), NB, N, D) if dith else None
-        for i, (layer, _, _, q, ds) in enumerate(items):  # [layers * B, T, H]: each layer's record takes its B rows
-            sl = slice(i * B, (i + 1) * B)
-            if cert is None:  # a row needs the twin's fp64 terms: each layer's certificate from the twin
-                c = _twin_cert(layer, q, N)
+        parts = None if cert is None else {k: drop(cert[k]).split(B) for k in CERT_KEYS}  # [layers * B, T, H] -> layers
+        dith = {i: j for j, i in enumerate(i for i, it in enumerate(items) if it[4] is not None)}
+        dcert = cpu_fused._certificate(torch.cat([it[4] for it in items if it[4] is not None]), NB, N, D) if dith else None
+        dparts = None if dcert is None else drop(dcert["min"]).split(B)
+        for i, (layer, _, _, q, ds) in enumerate(items):
+            if parts is None:  # a row needs the twin's fp64 terms: each layer's certificate from the twin
+                c = {k: drop(v) for k, v in _twin_cert(layer, q, N).items() if k in CERT_KEYS}
             else:
-                c = {k: cert[k][sl] for k in ("max_c",) + FORMS}
+                c = {k: parts[k][i] for k in CERT_KEYS}
             if cache.scheme.dither:
-                c["dither_estimate"] = _dither_estimate(c, dcert, dith.index(i) if ds is not None else None, B)
-            _record(layer, c, N)
+                dmin = dparts[dith[i]] if dparts is not None and i in dith else None
+                c["dither_estimate"] = _dither_estimate(c["min"], dmin, ds is not None)
+            _record(layer, c, N, T)
 
 
-def _dither_estimate(cert, dcert, i, B):
-    """[B, T, H] the dither tier's estimate of one layer's read (hf_meter's dither_estimate): the kernel's sums with each
-    token's dither radius through the same epilogue (i: the layer's place among the dithered reads); no quantized token
-    yet (i None): every radius is 0 and the deterministic certificate is that bound; an epilogue that needs fp64 terms
-    (a radius near the fp32 exp range, dcert None): 1, the trivial bound on a total variation."""
-    if i is None:
-        return cert["min"]
-    if dcert is None:
-        return torch.ones_like(cert["min"])
-    return dcert["min"][i * B:(i + 1) * B]
+def _dither_estimate(cmin, dmin, quantized):
+    """The dither tier's estimate of one layer's read (hf_meter's dither_estimate): dmin, the kernel's sums with each
+    token's dither radius through the same epilogue; no quantized token yet (quantized False): every radius is 0 and the
+    deterministic certificate cmin is that bound; an epilogue that needs fp64 terms (a radius near the fp32 exp range,
+    dmin None): 1, the trivial bound on a total variation."""
+    if not quantized:
+        return cmin
+    return torch.ones_like(cmin) if dmin is None else dmin
 
 
 def _scale(cache):
@@ -385,27 +391,35 @@ def _twin_cert(layer, q, N):
     return with_other_logits(c, logit_rounding(q.abs().amax(1), max_abs(k), s))
 
 
-def _record(layer, cert, N, pre=None, fresh=0):
-    """One record as the meter writes it (hf_meter.decode_step / rows_step), from a certificate dict of
-    [B, T, H] tensors: a decode read (T = 1) in cache.records with [B, H] tensors, a multi-row read
-    (a second turn, chunked prefill) in cache.row_records with its rows' positions. pre: the certificate before
-    the gate's promotions of this read (None: none, the certificate itself), fresh: their number."""
+def _snapshot(layer):
+    """Copies of the layer's repaired and rung tensors for its records, made again only when either changed (in place:
+    its version counter, or replaced): every record of a run of steps without a repair shares one copy."""
+    r, g = layer.repaired, layer.rung
+    snap = layer.__dict__.get("_snap")
+    if snap is None or snap[0] is not r or snap[1] is not g or snap[2] != (r._version, g._version):
+        snap = layer._snap = (r, g, (r._version, g._version), r.clone(), g.clone())
+    return snap[3], snap[4]
+
+
+def _record(layer, cert, N, T, pre=None, fresh=0):
+    """One record as the meter writes it (hf_meter.decode_step / rows_step) from a certificate dict: a decode read
+    (T = 1, cert of [B, H] tensors) in cache.records, a multi-row read (a second turn, chunked prefill; [B, T, H]) in
+    cache.row_records with its rows' positions. pre: the certificate before the gate's promotions of this read (None:
+    none, the certificate itself), fresh: their number."""
     cache = layer.cache
-    T = cert["min"].shape[1]
     pre = cert["min"] if pre is None else pre
-    rec = {"layer": layer.layer_idx, "repaired": layer.repaired.clone(), "rung": layer.rung.clone(), "fresh_repairs": fresh}
-    est = {"dither_estimate": cert["dither_estimate"]} if "dither_estimate" in cert else {}
+    repaired, rung = _snapshot(layer)
+    rec = {"layer": layer.layer_idx, "repaired": repaired, "rung": rung, "fresh_repairs": fresh}
+    forms = {f: cert[f].float() for f in (*FORMS, "dither_estimate") if f in cert}
     if T == 1:
         layer.steps += 1
-        rec.update({"step": layer.steps, "pre_min": pre[:, 0], "max_c": cert["max_c"][:, 0].float()})
-        rec.update({f: cert[f][:, 0].float() for f in (*FORMS, *est)})
+        rec.update({"step": layer.steps, "pre_min": pre, "max_c": cert["max_c"].float()}, **forms)
         cache.records.append(rec)
         return
     t0 = layer.steps
     layer.steps += T  # each row is one read, as in the meter
     rec.update({"call": len(cache.row_records), "pos": torch.arange(N - T, N), "steps": (t0 + 1, t0 + T),
-                "pre_min": pre, "max_c": cert["max_c"].float()})
-    rec.update({f: cert[f].float() for f in (*FORMS, *est)})
+                "pre_min": pre, "max_c": cert["max_c"].float()}, **forms)
     cache.row_records.append(rec)
 
 
