@@ -22,6 +22,9 @@ Variants
   codes, pre-RoPE key codes, fp8 codes with per-token scales read in place); int8_dither certified
   reads its codes in place too (the dither regenerated at read) and records the dither estimate from
   the same pass;
+- int8 certified:0.2 (gate): README's first example, the gate certified:0.2 on the fused read (each layer's
+  certificate at once, KV heads over 0.2 served from the exact copy, read through the kernel); "repaired_heads"
+  counts the (layer, KV head) slots served exact at the end; (gate, torch twin): the same through the twin;
 - quanto int4 / int2: transformers QuantizedCache(backend="quanto") when optimum-quanto imports
   (--quanto), read with the baseline's attention.
 meter overhead = step time int8 certified / int8 (no certificate), same codes, same run.
@@ -74,6 +77,8 @@ CACHES = {  # variant: (scheme, fast.CertifiedCache keywords), each read with AT
     "kivi2 certified": ("kivi2", {}),
     "prerope4 certified": ("prerope4", {}),
     "fp8_e4m3 certified": ("fp8_e4m3", {}),
+    "int8 certified:0.2 (gate)": ("int8", {"gate": "certified:0.2"}),  # README's first example
+    "int8 certified:0.2 (gate, torch twin)": ("int8", {"gate": "certified:0.2", "backend": "torch"}),
 }
 QUANTO_BITS = (4, 2)
 
@@ -203,6 +208,8 @@ def run_context(model, tok, L, batches, steps, quanto, log, group_size=0):
                     res[name]["device_bytes_per_token"] = cache.memory()["device_bytes_per_token"]
                 if hasattr(cache, "fused_reads"):
                     res[name]["fused_reads"] = cache.fused_reads
+                if getattr(cache, "gate", None) is not None and cache.gate.kind != "none":  # (layer, KV head) slots served exact
+                    res[name]["repaired_heads"] = sum(int(layer.repaired.sum()) for layer in cache.layers if layer.is_initialized)
             del variants
             gc.collect()
         pair = res["int8 certified"], res["int8 (no certificate)"]
