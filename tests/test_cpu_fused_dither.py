@@ -67,6 +67,19 @@ def _case(case):
                 b64=bands.to(torch.int64).contiguous(), s=D ** -0.5)
 
 
+def _assert_reads_as_rows(c, rep):
+    """The kernel over the dithered codes (dither regenerated at read) gives the output and stats of the kernel over the
+    twin's decoded fp32 rows, bit for bit, in both builds, and the two builds' dither sums agree bit for bit."""
+    for sc in (False, True):
+        got = cpu_fused._run(c["q"], c["qpos"], c["segs"], c["s"], c["b64"], *c["ng"], True, c["lut"], scalar=sc, dither_F=3.0)
+        want = cpu_fused._run(c["q"], c["qpos"], c["rows"], c["s"], c["b64"], 1, 1, True, c["lut"], scalar=sc)
+        assert torch.equal(got[0], want[0]), "output differs from the decoded rows' " + rep
+        assert torch.equal(got[1].view(torch.int64), want[1].view(torch.int64)), "stats differ " + rep
+        if sc:
+            assert torch.equal(got[2].view(torch.int64), vector[2].view(torch.int64)), "dither sums: builds differ " + rep
+        vector = got
+
+
 KIVI = st.fixed_dictionaries({
     "seed": st.integers(0, 2 ** 64 - 1), "layer": st.integers(0, 2 ** 32 - 1), "high": st.booleans(), "B": st.integers(1, 2),
     "T": st.integers(1, 3), "Hkv": st.integers(1, 2), "G": st.integers(1, 3), "blocks": st.integers(1, 2),
@@ -110,16 +123,25 @@ def _kivi_case(case):
 def test_kivi_dither_codes_read_as_the_twins_decoded_rows(case):
     """kivi2_dither's 2-bit dithered asymmetric codes (csrc asym_row with the dither): x~ = fl(fl((code - u) scale) + zero)
     regenerated at read gives the twin's KiviDither.decode() rows bit for bit (output and stats), in both builds."""
-    c = _kivi_case(case)
-    rep = f"case {json.dumps(case)}"
-    for sc in (False, True):
-        got = cpu_fused._run(c["q"], c["qpos"], c["segs"], c["s"], c["b64"], *c["ng"], True, c["lut"], scalar=sc, dither_F=3.0)
-        want = cpu_fused._run(c["q"], c["qpos"], c["rows"], c["s"], c["b64"], 1, 1, True, c["lut"], scalar=sc)
-        assert torch.equal(got[0], want[0]), "output differs from the decoded rows' " + rep
-        assert torch.equal(got[1].view(torch.int64), want[1].view(torch.int64)), "stats differ " + rep
-        if sc:
-            assert torch.equal(got[2].view(torch.int64), vector[2].view(torch.int64)), "dither sums: builds differ " + rep
-        vector = got
+    _assert_reads_as_rows(_kivi_case(case), f"case {json.dumps(case)}")
+
+
+def _estimate_covers_reference(c, d, rep):
+    """The kernel's dither estimate at budget d (F = radius_factor(N, d)) of the first and last rows, each >= the exact
+    60-digit forms at the exact grid radius (_reference_estimate). Returns (the estimate dict, [(got, want)])."""
+    N = c["kd"].shape[2] + c["kt"].shape[2]
+    F = radius_factor(N, d)
+    out, stats, dstats = cpu_fused._run(c["q"], c["qpos"], c["segs"], c["s"], c["b64"], *c["ng"], True, c["lut"], dither_F=F)
+    est = cpu_fused._certificate(dstats, c["bands"].shape[0], N, c["q"].shape[-1])
+    assert est is not None
+    B, T, H, _ = c["q"].shape
+    pairs = []
+    for b, t, h in sorted({(0, 0, 0), (B - 1, T - 1, H - 1)}):
+        want = _reference_estimate(c, b, t, h, N, d)
+        got = mpf(float(est["min"][b, t, h]))
+        assert got >= want, f"unsound: fused {got} exact {want} row ({b},{t},{h}) {rep}"
+        pairs.append((got, want))
+    return est, pairs
 
 
 @settings(max_examples=8, deadline=None)
@@ -128,17 +150,8 @@ def test_kivi_dither_codes_read_as_the_twins_decoded_rows(case):
 def test_kivi_dither_estimate_covers_the_reference(case, d):
     """kivi2_dither's estimate (a dither step per channel and key block, max(scale, |zero| 2^-7) (1 + 2^-10)) is >= the
     exact forms at the exact grid radius of every token."""
-    c = _kivi_case(case)
-    N = c["kd"].shape[2] + c["kt"].shape[2]
-    F = radius_factor(N, d)
-    out, stats, dstats = cpu_fused._run(c["q"], c["qpos"], c["segs"], c["s"], c["b64"], *c["ng"], True, c["lut"], dither_F=F)
-    est = cpu_fused._certificate(dstats, c["bands"].shape[0], N, case["D"])
-    assert est is not None
-    B, T, H, _ = c["q"].shape
-    for b, t, h in sorted({(0, 0, 0), (B - 1, T - 1, H - 1)}):
-        want = _reference_estimate(c, b, t, h, N, d)
-        got = mpf(float(est["min"][b, t, h]))
-        assert got >= want, f"unsound: fused {got} exact {want} row ({b},{t},{h}) case {json.dumps(case)} d {d}"
+    _, pairs = _estimate_covers_reference(_kivi_case(case), d, f"case {json.dumps(case)} d {d}")
+    for got, want in pairs:
         if not case["offset"]:  # (large keys: the kernel's logit rounding e, not in the reference, dominates a small bound)
             assert got <= want * 1.5 + mpf(1e-4), f"the estimate must follow the reference: {got} vs {want}"
 
@@ -146,16 +159,7 @@ def test_kivi_dither_estimate_covers_the_reference(case, d):
 @settings(max_examples=30, deadline=None)
 @given(case=DITHER)
 def test_dither_codes_read_as_the_twins_dequantized_rows(case):
-    c = _case(case)
-    rep = f"case {json.dumps(case)}"
-    for sc in (False, True):
-        got = cpu_fused._run(c["q"], c["qpos"], c["segs"], c["s"], c["b64"], *c["ng"], True, c["lut"], scalar=sc, dither_F=3.0)
-        want = cpu_fused._run(c["q"], c["qpos"], c["rows"], c["s"], c["b64"], 1, 1, True, c["lut"], scalar=sc)
-        assert torch.equal(got[0], want[0]), "output differs from the dequantized rows' " + rep
-        assert torch.equal(got[1].view(torch.int64), want[1].view(torch.int64)), "stats differ " + rep
-        if sc:
-            assert torch.equal(got[2].view(torch.int64), vector[2].view(torch.int64)), "dither sums: builds differ " + rep
-        vector = got
+    _assert_reads_as_rows(_case(case), f"case {json.dumps(case)}")
 
 
 def _reference_estimate(c, b, t, h, F_n, d):
@@ -187,17 +191,9 @@ def _reference_estimate(c, b, t, h, F_n, d):
 @workdps(60)
 def test_dither_estimate_covers_the_reference(case, d):
     c = _case(case)
-    N = c["kq"].shape[2] + c["kt"].shape[2]
-    F = radius_factor(N, d)
-    out, stats, dstats = cpu_fused._run(c["q"], c["qpos"], c["segs"], c["s"], c["b64"], *c["ng"], True, c["lut"], dither_F=F)
-    est = cpu_fused._certificate(dstats, c["bands"].shape[0], N, case["D"])
-    assert est is not None
-    B, T, H, _ = c["q"].shape
     rep = f"case {json.dumps(case)} d {d}"
-    for b, t, h in sorted({(0, 0, 0), (B - 1, T - 1, H - 1)}):
-        want = _reference_estimate(c, b, t, h, N, d)
-        got = mpf(float(est["min"][b, t, h]))
-        assert got >= want, f"unsound: fused {got} exact {want} row ({b},{t},{h}) {rep}"
+    est, _ = _estimate_covers_reference(c, d, rep)
+    N, T = c["kd"].shape[2] + c["kt"].shape[2], c["q"].shape[1]
     # beside the twin's fp64 dither_forms (decode rows, no tail: its inputs): within the Taylor room of the epilogue
     if c["kt"].shape[2] == 0 and T == 1 and not case["padding"]:
         from fast.integrations.hf_meter import served_probs

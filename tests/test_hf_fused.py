@@ -80,6 +80,26 @@ def test_decode_matches_meter(monkeypatch, scheme, derived):
             assert bool((est >= want * (1 - 1e-2)).all()) and bool((est <= want * (1 + 1e-3 + cm * cm) + 1e-6).all())
 
 
+def _second_turn(scheme, **kw):
+    """A prefill of 50 tokens (batch 2), then 5 tokens at once over the cache, through the twin's cache and the fused
+    read: (twin cache, fused cache), after checking that the fused one read both layers through the kernel and that
+    the two gave the same logits (fp32, sums in another order)."""
+    ids = tiny_ids(B=2, N=50)
+    runs = []
+    for cls, attn in ((TwinCache, "kvcert"), (CertifiedCache, hf_fused.NAME)):
+        model = tiny_llama(attn=attn)
+        cache = cls(model.config, scheme, window=4, sinks=2, **kw)
+        with torch.no_grad():
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            hf_meter.set_current(None)
+            out = model(input_ids=ids[:, :5], past_key_values=cache, use_cache=True).logits
+        runs.append((out, cache))
+    (ref_out, ref), (fus_out, fus) = runs
+    assert fus.fused_reads == 2 and len(fus.row_records) == len(ref.row_records) == 2
+    torch.testing.assert_close(fus_out, ref_out, rtol=1e-4, atol=1e-4)
+    return ref, fus
+
+
 def _repair_0_2(cache, t):
     if t == 2:  # non-adjacent KV heads of layer 0: the fused read takes them in two runs
         cache.layers[0].repair([0, 2])
@@ -121,19 +141,7 @@ def test_gated_decode_matches_meter(monkeypatch, scheme, gate, kv_heads, hook):
 def test_gated_second_turn_rows_match_the_meter(monkeypatch):
     """A multi-token read through the gate: the worst row of each KV head decides its repair, as in the meter."""
     monkeypatch.setattr(hf_fused, "FLUSH_BLOCK", 1)
-    ids = tiny_ids(B=2, N=50)
-    runs = []
-    for cls, attn in ((TwinCache, "kvcert"), (CertifiedCache, hf_fused.NAME)):
-        model = tiny_llama(attn=attn)
-        cache = cls(model.config, "int4", window=4, sinks=2, gate="certified:0.38")
-        with torch.no_grad():
-            model(input_ids=ids, past_key_values=cache, use_cache=True)
-            hf_meter.set_current(None)
-            out = model(input_ids=ids[:, :5], past_key_values=cache, use_cache=True).logits
-        runs.append((out, cache))
-    (ref_out, ref), (fus_out, fus) = runs
-    assert fus.fused_reads == 2 and len(fus.row_records) == len(ref.row_records) == 2
-    torch.testing.assert_close(fus_out, ref_out, rtol=1e-4, atol=1e-4)
+    ref, fus = _second_turn("int4", gate="certified:0.38")
     assert sum(f["fresh_repairs"] for f in fus.row_records) == 1
     for r, f in zip(ref.row_records, fus.row_records):
         assert torch.equal(r["repaired"], f["repaired"]) and r["fresh_repairs"] == f["fresh_repairs"]
@@ -191,19 +199,7 @@ def test_dither_second_turn_rows_match_the_meter(monkeypatch):
     at read, the estimate from its sums) against the meter's twin rows (served copy, fp64 dither_forms): the same
     outputs up to fp32 order, every row's certificate and dither estimate within the room of the epilogue."""
     monkeypatch.setattr(hf_fused, "FLUSH_BLOCK", 1)
-    ids = tiny_ids(B=2, N=50)
-    runs = []
-    for cls, attn in ((TwinCache, "kvcert"), (FusedCertifiedCache, hf_fused.NAME)):
-        model = tiny_llama(attn=attn)
-        cache = cls(model.config, "int8_dither", window=4, sinks=2, seed=3)
-        with torch.no_grad():
-            model(input_ids=ids, past_key_values=cache, use_cache=True)
-            hf_meter.set_current(None)
-            out = model(input_ids=ids[:, :5], past_key_values=cache, use_cache=True).logits
-        runs.append((out, cache))
-    (ref_out, ref), (fus_out, fus) = runs
-    assert fus.fused_reads == 2 and len(fus.row_records) == len(ref.row_records) == 2
-    torch.testing.assert_close(fus_out, ref_out, rtol=1e-4, atol=1e-4)
+    ref, fus = _second_turn("int8_dither", seed=3)
     for r, f in zip(ref.row_records, fus.row_records):
         assert f["dither_estimate"].shape == r["dither_estimate"].shape == (2, 5, 4)
         assert bool((f["min"] >= r["min"] * (1 - 1e-5)).all())
