@@ -559,8 +559,9 @@ inline bool scale_max(const Seg& sg) { return sg.coded && !sg.kasym && !sg.fp8 &
 // Row jj of a segment's keys (values = false) or values, as fp32: code * scale (exact in fp32: 8- or 4-bit code,
 // 11-bit fp16 scale) written into buf, or a pointer to the fp32 row. smax (keys only, may be null):
 // per group max of the scales (codes: smax[g]) or per channel max of |k| (fp32 rows: smax[D + d]).
-inline const float* seg_row(const Seg& sg, bool values, int64_t b, int64_t h, int64_t jj, int64_t D, int64_t ng,
-                            float* buf, float* smax) {
+// always inlined: called once per token in both passes, a call per row cost ~10% of a 1k-token read
+__attribute__((always_inline)) inline const float* seg_row(const Seg& sg, bool values, int64_t b, int64_t h, int64_t jj,
+                                                           int64_t D, int64_t ng, float* buf, float* smax) {
     const void* base = values ? sg.v : sg.k;
     const int64_t sb = values ? sg.v_sb : sg.k_sb, sh = values ? sg.v_sh : sg.k_sh;
     if (!sg.coded) {
