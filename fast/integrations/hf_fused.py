@@ -247,7 +247,7 @@ def _gated(layer, q, qpos, scale, out, stats, dstats):
     _read_exact(layer, q, qpos, scale, out, cert, [h for h in range(Hkv) if rep[h]])
     pre, fresh = cert["min"], []
     if cache.gate.kind == "certified":  # each KV head's worst row, batch entry and query head
-        worst = pre.view(-1, Hkv, pre.shape[-1] // Hkv).amax((0, 2)).tolist()
+        worst = hf_meter._slot(pre.amax(1), Hkv).tolist()
         fresh = [h for h in range(Hkv) if worst[h] > cache.gate.tau and not rep[h]]
     if fresh:
         pre = pre.clone()
