@@ -365,3 +365,40 @@ def test_fused_certificate_bounds_true_tv(scheme):
             p = torch.softmax((exact.keys[b, kv].double() @ q[b, h, 0].double()) * scale, 0)
             tv = 0.5 * float((p - w).abs().sum())
             assert 0 < tv <= float(bound[b, h]) < 1, (b, h, tv, float(bound[b, h]))
+
+
+def test_gated_fused_certificate_bounds_true_tv():
+    """Soundness of the gated fused read against the truth: int4 codes, the gate's TAU set between the two KV heads'
+    worst certificates of the same read without a gate, so one head is promoted (read from the exact copy) and the other
+    served from its codes; TV(softmax over the exact keys of an exact prefill the cache never touched, softmax over the
+    keys each head is served) <= the record's bound, per (sequence, query head)."""
+    ids = tiny_ids(B=2, N=48)
+    with torch.no_grad():
+        exact = tiny_llama()(input_ids=ids, use_cache=True).past_key_values.layers[1]
+    q = torch.randn(2, 4, 1, 32, generator=torch.Generator().manual_seed(5)) * 3
+    scale = 32 ** -0.5
+
+    def read(gate):
+        fmodel = tiny_llama(attn=hf_fused.NAME)
+        cache = CertifiedCache(fmodel.config, "int4", window=8, sinks=4, gate=gate)
+        with torch.no_grad():
+            fmodel(input_ids=ids, past_key_values=cache, use_cache=True)
+        cache.records.clear()
+        hf_fused.fused_read(cache.layers[1], q, scale)
+        hf_fused.flush_certificates(cache)
+        return cache.layers[1], cache.records[-1]
+
+    _, plain = read("none")
+    worst = hf_meter._slot(plain["min"], 2)
+    tau = float(worst.min() + worst.max()) / 2
+    layer, rec = read(f"certified:{tau}")
+    assert layer.fused_ok() and rec["repaired"].tolist() == (worst > tau).tolist() and rec["fresh_repairs"] == 1
+    ks, _ = hf_fused.CertifiedLayer.served(layer)  # repaired head: the exact copy; the other: its int4 codes
+    for b in range(2):
+        for h in range(4):
+            kv = h // 2
+            w = torch.softmax((ks[b, kv].double() @ q[b, h, 0].double()) * scale, 0)
+            p = torch.softmax((exact.keys[b, kv].double() @ q[b, h, 0].double()) * scale, 0)
+            tv = 0.5 * float((p - w).abs().sum())
+            assert tv <= float(rec["min"][b, h]) < 1, (b, h, tv, float(rec["min"][b, h]))
+            assert (tv > 0) == (not bool(rec["repaired"][kv])), (b, h, tv)
