@@ -371,6 +371,11 @@ def test_cache_refuses_a_model_whose_attention_is_not_the_meter():
     assert cache.records == [] and cache.row_records == []
     # certify=False is the explicit opt-out (the speed baseline): it generates
     gen(plain, tiny_ids(1, 40), CertifiedCache(plain.config, "int8", certify=False), n=4)
+    # ... but never with an option that acts on a certificate: a gate would silently never fire
+    for opts in ({"gate": "certified:0.2"}, {"gate": "ladder:0.5"}, {"gate": "risk:2"}, {"shadow": True},
+                 {"value_bound": True}, {"box_form": True}):
+        with pytest.raises(ValueError, match="certify=False"):
+            CertifiedCache(plain.config, "int8", certify=False, **opts)
 
 
 def test_threads_sharing_one_model_each_certify_every_read(model):

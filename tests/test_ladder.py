@@ -239,7 +239,7 @@ def test_every_rung_is_sound_against_exact_keys_adversarially(seed, log_scale, o
     from transformers import LlamaConfig
     g = torch.Generator().manual_seed(seed)
     cfg = LlamaConfig(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, hidden_size=128, head_dim=32)
-    cache = CertifiedCache(cfg, scheme, gate="ladder:0.5", sinks=0, window=0, certify=False, ladder_values=values,
+    cache = CertifiedCache(cfg, scheme, gate="ladder:0.5", sinks=0, window=0, ladder_values=values,
                            derived=derived)  # derived: the rungs keep their own witness (no stored one to overwrite)
     layer = cache.layers[0]
     n = 64

@@ -39,7 +39,8 @@ class CertifiedCache(Cache):
     seed, delta_req: the dither tier (int8_dither, int4_dither, kivi2_dither; records it as
     dither_estimate: an estimate in decoding, never gated, see fast.integrations.hf_meter; seed=None: a fresh 64-bit seed per cache, i.e. per
     request, drawn from the OS; each batch row and keys/values get their own counters); offload: "full" (exact copy) or "residual";
-    certify=False serves the compressed cache without certificates (the meter-overhead baseline);
+    certify=False serves the compressed cache without certificates (the meter-overhead baseline; refused with a gate,
+    shadow, value_bound or box_form, which act on certificates);
     derived: use the zero-memory witness from the scales when the scheme allows it (else 1 byte
     per band and token, tighter and cheaper to read);
     rungs: gate ladder:TAU only, the schemes above `scheme`, lowest first (default LADDERS[scheme]; per
@@ -75,6 +76,9 @@ class CertifiedCache(Cache):
             raise ValueError("sinks and window must be >= 0")
         self.sinks, self.window, self.shadow = int(sinks), int(window), bool(shadow)
         self.certify = bool(certify)  # False: serve the compressed cache without certificates (speed baseline)
+        if not self.certify and (self.gate.kind != "none" or self.shadow or value_bound or box_form):
+            raise ValueError(f"certify=False serves reads without certificates, so gate={gate!r}, shadow, value_bound "
+                             "and box_form (each acts on a certificate) would act on nothing: use certify=True")
         from fast.core.quant import SEED_COUNT, check_counter, draw_seed
         # the dither of one request is its own: a fresh 64-bit seed from the OS unless one is given (reproducibility)
         self.seed = draw_seed() if seed is None else check_counter("seed", seed, SEED_COUNT)
