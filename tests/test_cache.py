@@ -315,7 +315,7 @@ def test_dither_tier_covers_the_fp32_logits(model, monkeypatch):
         return inner(q, k, v, rho, scale, **kw)
 
     monkeypatch.setattr(meter, "decode_attention", spy)
-    cache = CertifiedCache(model.config, "int8_dither", sinks=0, window=1000, shadow=True)
+    cache = CertifiedCache(model.config, "int8_dither", sinks=0, window=1000, shadow=True, backend="torch")  # spies on the twin
     gen(model, tiny_ids(1, 40), cache, n=5)
     assert len(seen) == len(cache.records) > 0
     worst = 0.0

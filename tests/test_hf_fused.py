@@ -349,13 +349,14 @@ def _true_tv(layer, exact_keys, q, scale):
 def test_fused_certificate_bounds_true_tv(scheme):
     """Soundness against the truth (exact keys): int4 and fp8 codes through the fused cache, a read of layer 1 with a
     chosen query; the exact keys from an exact prefill the cache never touched; TV(softmax over exact keys,
-    softmax over the served keys) <= the record's bound, per (sequence, query head)."""
+    softmax over the served keys) <= the record's bound, per (sequence, query head). Shadow mode's true_tv (from the
+    cache's own exact copy) is that truth, for a decode read and for the last of three rows (it sees every token)."""
     ids = tiny_ids(B=2, N=48)
     model = tiny_llama()
     with torch.no_grad():
         exact = model(input_ids=ids, use_cache=True).past_key_values.layers[1]
     fmodel = tiny_llama(attn=hf_fused.NAME)
-    cache = FusedCertifiedCache(fmodel.config, scheme, window=8, sinks=4)
+    cache = FusedCertifiedCache(fmodel.config, scheme, window=8, sinks=4, shadow=True)
     with torch.no_grad():
         fmodel(input_ids=ids, past_key_values=cache, use_cache=True)
     layer = cache.layers[1]
@@ -370,6 +371,12 @@ def test_fused_certificate_bounds_true_tv(scheme):
     bound = cache.records[-1]["pre_min"]  # [B, H]
     tv = _true_tv(layer, exact.keys, q, scale)
     assert bool((tv > 0).all() and (tv <= bound).all() and (bound < 1).all()), (tv, bound)
+    torch.testing.assert_close(cache.records[-1]["true_tv"].double(), tv, rtol=1e-5, atol=1e-7)
+    rows = torch.cat([torch.randn(2, 4, 2, 32, generator=g), q], 2)  # row 2: the decode query, at position n - 1
+    hf_fused.fused_read(layer, rows, scale)
+    rec = cache.row_records[-1]
+    assert rec["true_tv"].shape == (2, 3, 4) and bool((rec["true_tv"] <= rec["min"]).all())
+    torch.testing.assert_close(rec["true_tv"][:, 2].double(), tv, rtol=1e-5, atol=1e-7)
 
 
 def test_gated_fused_certificate_bounds_true_tv():

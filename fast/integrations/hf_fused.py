@@ -28,9 +28,10 @@ What changes against CertifiedCache + the "kvcert" meter (fast.integrations.hf_m
 - Gates certified:TAU and risk:K (offload "full"): the layer's certificate is taken at once (_gated), the KV heads
   over TAU are promoted, and repaired heads are read from the exact copy through the kernel (c = 0), as the
   meter's gate serves them.
+- Shadow mode: the layer's certificate at once too (_gated), and the record's true_tv from the exact copy (_true_tv).
 Falls back to the torch twin (hf_meter's decode_step / rows_step, the served fp32 copy), certified
 the same way, where the kernel does not apply: registered schemes, the ladder gate and
-offload "residual", shadow mode, value or box bounds, the subspace witness, non-fp32 models. The first
+offload "residual", value or box bounds, the subspace witness, non-fp32 models. The first
 prefill reads the exact states with sdpa, as everywhere.
 """
 
@@ -86,7 +87,7 @@ class FusedLayer(CertifiedLayer):
 
     def fused_ok(self):
         """A layout the kernel reads in place (FUSED_LAYOUTS: int8, int4, fp8, kivi2, prerope, dithered int8 / int4), no
-        gate or certified:TAU / risk:K with offload "full" (repaired heads read from the exact copy), no shadow, no
+        gate or certified:TAU / risk:K with offload "full" (repaired heads read from the exact copy), shadow or not, no
         value bound or box form, certified or certify=False, fp32 on CPU, kernel built. Fixed for the layer's life: computed once (it is asked
         twice per layer and step)."""
         ok = getattr(self, "_fused_ok", None)
@@ -95,7 +96,7 @@ class FusedLayer(CertifiedLayer):
                 return False
             c = self.cache
             gate_ok = c.gate.kind == "none" or (c.gate.kind in ("certified", "risk") and c.offload == "full")
-            ok = self._fused_ok = (c.scheme.layout in FUSED_LAYOUTS and gate_ok and not c.shadow
+            ok = self._fused_ok = (c.scheme.layout in FUSED_LAYOUTS and gate_ok
                                    and not c.value_bound and not c.box_form and not c.subspace
                                    and self.dtype == torch.float32 and self.device.type == "cpu"
                                    and cpu_fused.available())
@@ -223,7 +224,7 @@ def fused_read(layer, query, scale):
     F = _dither_factor(layer, n, T) if cache.scheme.dither and cache.certify and layer.nq else None
     out, stats, *dstats = cpu_fused._run(q, qpos, segs, float(scale), _bands(cache), ngk, ngv, cache.certify, lut, dither_F=F)
     cache.fused_reads += 1
-    if cache.certify and cache.gate.kind != "none":
+    if cache.certify and (cache.gate.kind != "none" or cache.shadow):
         _gated(layer, q, qpos, float(scale), out, stats, dstats[0] if dstats else None)
     elif cache.certify:
         cache._pending.append((layer, stats, n, q, dstats[0] if dstats else None))
@@ -257,10 +258,26 @@ def _gated(layer, q, qpos, scale, out, stats, dstats):
         dcert = None if dstats is None else _certificate_or_none(layer, dstats, N)
         est = _dither_estimate(cert["min"], None if dcert is None else dcert["min"], dstats is not None)
         cert["dither_estimate"] = hf_meter._repaired_take_cert(est, cert["min"], layer.off_base())
+    if cache.shadow:
+        cert["true_tv"] = _true_tv(layer, q, qpos, scale)
     T = q.shape[1]
     if T == 1:  # a decode record holds [B, H] tensors
         cert, pre = {k: v[:, 0] for k, v in cert.items()}, pre[:, 0]
     _record(layer, cert, N, T, pre, len(fresh))
+
+
+def _true_tv(layer, q, qpos, scale):
+    """Shadow mode: [B, T, H] TV between the softmax over the exact copy and over the keys served (repaired heads: the
+    exact copy), fp64, each row over its causal prefix, as hf_meter's shadow record (the served keys dequantized by the
+    twin: CertifiedLayer.served)."""
+    B, T, H, D = q.shape
+    Hkv, N = layer.Hkv, layer.n
+    vis = torch.arange(N)[None, :] <= qpos[0].long()[:, None]  # [T, N]
+    m = (vis[None, None, None] & layer.valid[:, :, None, None, :]).expand(B, Hkv, H // Hkv, T, N).reshape(B, Hkv, -1, N)
+    qf = q.permute(0, 2, 1, 3).reshape(B, H * T, D)  # row (h, t) -> h T + t, as hf_meter.rows_step
+    p_tilde = hf_meter.row_probs(qf, CertifiedLayer.served(layer)[0], scale, m)
+    p = hf_meter.row_probs(qf, layer.exact_k, scale, m)
+    return (0.5 * (p - p_tilde).abs().sum(-1)).float().view(B, H, T).transpose(1, 2)
 
 
 def _certificate_or_none(layer, stats, N):
@@ -410,7 +427,7 @@ def _record(layer, cert, N, T, pre=None, fresh=0):
     pre = cert["min"] if pre is None else pre
     repaired, rung = _snapshot(layer)
     rec = {"layer": layer.layer_idx, "repaired": repaired, "rung": rung, "fresh_repairs": fresh}
-    forms = {f: cert[f].float() for f in (*FORMS, "dither_estimate") if f in cert}
+    forms = {f: cert[f].float() for f in (*FORMS, "dither_estimate", "true_tv") if f in cert}
     if T == 1:
         layer.steps += 1
         rec.update({"step": layer.steps, "pre_min": pre, "max_c": cert["max_c"].float()}, **forms)
