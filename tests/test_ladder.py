@@ -99,10 +99,12 @@ def test_every_served_certificate_is_within_tau_or_exact(model, scheme):
     assert int(rungs.max()) >= 1 and sum(r["fresh_repairs"] for r in cache.records) > 0
 
 
-def test_promoted_heads_serve_their_rung_of_the_exact_keys(model):
+def test_promoted_heads_serve_their_rung_of_the_exact_keys(model, monkeypatch):
     """A head promoted one rung serves exactly int4(k) + int4(k - int4(k)) of the captured exact keys
     (the refinement from the exact copy), its new tokens too, and its stored witness is the witness of
     that sum and bounds TV against the captured exact keys for random queries at several scales."""
+    from fast.integrations import hf_fused
+    monkeypatch.setattr(hf_fused, "FLUSH_BLOCK", 1)  # the fused read's window flushes every step, as the twin's
     ids = tiny_ids(2, 48, seed=12)
     cache = CertifiedCache(model.config, "int4", gate="ladder:1", sinks=0, window=0)
     seen = captured(cache)

@@ -25,13 +25,13 @@ What changes against CertifiedCache + the "kvcert" meter (fast.integrations.hf_m
 - The certificate epilogue (fast.core.cpu_fused._certificate: C++, numpy fallback) runs once per
   step for all layers, after the last one: cache.records gets one record per (step, layer) as
   with the meter.
-- Gates certified:TAU and risk:K (offload "full"): the layer's certificate is taken at once (_gated), the KV heads
-  over TAU are promoted, and repaired heads are read from the exact copy through the kernel (c = 0), as the
-  meter's gate serves them.
+- Gates certified:TAU, ladder:TAU and risk:K (offload "full" or "residual"): the layer's certificate is taken at
+  once (_gated), the KV heads over TAU are promoted, and the heads off the scheme's codes are read again through
+  the kernel as the meter's gate serves them: repaired heads (offload "full") from the exact copy (c = 0), ladder
+  rungs and residual repairs as fp32 rows decoded by the twin with their own witness (_read_heads).
 - Shadow mode: the layer's certificate at once too (_gated), and the record's true_tv from the exact copy (_true_tv).
 Falls back to the torch twin (hf_meter's decode_step / rows_step, the served fp32 copy), certified
-the same way, where the kernel does not apply: registered schemes, the ladder gate and
-offload "residual", value or box bounds, the subspace witness, non-fp32 models. The first
+the same way, where the kernel does not apply: registered schemes, value or box bounds, the subspace witness, non-fp32 models. The first
 prefill reads the exact states with sdpa, as everywhere.
 """
 
@@ -86,17 +86,16 @@ class FusedLayer(CertifiedLayer):
             super()._flush(everything)
 
     def fused_ok(self):
-        """A layout the kernel reads in place (FUSED_LAYOUTS: int8, int4, fp8, kivi2, prerope, dithered int8 / int4), no
-        gate or certified:TAU / risk:K with offload "full" (repaired heads read from the exact copy), shadow or not, no
-        value bound or box form, certified or certify=False, fp32 on CPU, kernel built. Fixed for the layer's life: computed once (it is asked
+        """A layout the kernel reads in place (FUSED_LAYOUTS: int8, int4, fp8, kivi2, prerope, dithered int8 / int4), any
+        gate and offload (_gated), shadow or not, no value bound, box form or subspace witness, certified or
+        certify=False, fp32 on CPU, kernel built. Fixed for the layer's life: computed once (it is asked
         twice per layer and step)."""
         ok = getattr(self, "_fused_ok", None)
         if ok is None:
             if not self.is_initialized:
                 return False
             c = self.cache
-            gate_ok = c.gate.kind == "none" or (c.gate.kind in ("certified", "risk") and c.offload == "full")
-            ok = self._fused_ok = (c.scheme.layout in FUSED_LAYOUTS and gate_ok
+            ok = self._fused_ok = (c.scheme.layout in FUSED_LAYOUTS
                                    and not c.value_bound and not c.box_form and not c.subspace
                                    and self.dtype == torch.float32 and self.device.type == "cpu"
                                    and cpu_fused.available())
@@ -234,26 +233,29 @@ def fused_read(layer, query, scale):
 
 
 def _gated(layer, q, qpos, scale, out, stats, dstats):
-    """The gate on a fused read (certified:TAU, risk:K; offload "full"), as hf_meter._gated serves it: the layer's
-    certificate at once (not in the step's batched epilogue: the gate needs it before the next layer reads); the
-    KV heads already repaired are read again from the exact copy (the kernel read their codes too; their output
-    and certificate are replaced); then (certified:TAU) every other KV head whose worst certificate over the
-    read's rows and batch exceeds TAU is promoted (exact from now on) and read from the exact copy as well. A
-    KV head's certificate depends on its own keys only, so the heads not promoted keep theirs: one round
-    suffices. The record's pre_min is the certificate before this read's promotions, fresh_repairs their number.
-    out (the kernel's [B, T, H, D]) is overwritten in place for the heads read exactly."""
+    """The gate on a fused read (certified:TAU, ladder:TAU, risk:K; offload "full" or "residual"), as hf_meter._gated
+    serves it: the layer's certificate at once (not in the step's batched epilogue: the gate needs it before the next
+    layer reads); the KV heads off the scheme's codes (a rung up, repaired) are read again as they are served (the
+    kernel read their codes too; their output and certificate are replaced: _read_heads); then (certified / ladder)
+    every KV head not repaired whose worst certificate over the read's rows and batch exceeds TAU is promoted (the
+    ladder: one rung up; certified: exact) and read again the same way, until none is (at most len(rungs) + 1
+    rounds, as the meter's loop). A KV head's certificate depends on its own keys only, so the heads not promoted
+    keep theirs. The record's pre_min is the certificate before this read's promotions, fresh_repairs their number.
+    Shadow mode comes here too (no gate: no promotion). out (the kernel's [B, T, H, D]) is overwritten in place for
+    the heads read again."""
     cache, N, Hkv = layer.cache, layer.n, layer.Hkv
     cert = _layer_cert(layer, stats, q, N)
-    rep = layer.repaired.tolist()
-    _read_exact(layer, q, qpos, scale, out, cert, [h for h in range(Hkv) if rep[h]])
-    pre, fresh = cert["min"], []
-    if cache.gate.kind == "certified":  # each KV head's worst row, batch entry and query head
-        worst = hf_meter._slot(pre.amax(1), Hkv).tolist()
-        fresh = [h for h in range(Hkv) if worst[h] > cache.gate.tau and not rep[h]]
-    if fresh:
-        pre = pre.clone()
-        layer.promote(fresh)
-        _read_exact(layer, q, qpos, scale, out, cert, fresh)
+    _read_heads(layer, q, qpos, scale, out, cert, layer.off_base().nonzero().flatten().tolist())
+    pre, fresh = cert["min"], 0
+    while cache.gate.thresholded:  # each KV head's worst row, batch entry and query head
+        worst, rep = hf_meter._slot(cert["min"].amax(1), Hkv).tolist(), layer.repaired.tolist()
+        heads = [h for h in range(Hkv) if worst[h] > cache.gate.tau and not rep[h]]
+        if not heads:
+            break
+        pre = pre.clone() if not fresh else pre
+        layer.promote(heads)
+        fresh += len(heads)
+        _read_heads(layer, q, qpos, scale, out, cert, heads)
     if cache.scheme.dither:
         dcert = None if dstats is None else _certificate_or_none(layer, dstats, N)
         est = _dither_estimate(cert["min"], None if dcert is None else dcert["min"], dstats is not None)
@@ -263,7 +265,7 @@ def _gated(layer, q, qpos, scale, out, stats, dstats):
     T = q.shape[1]
     if T == 1:  # a decode record holds [B, H] tensors
         cert, pre = {k: v[:, 0] for k, v in cert.items()}, pre[:, 0]
-    _record(layer, cert, N, T, pre, len(fresh))
+    _record(layer, cert, N, T, pre, fresh)
 
 
 def _true_tv(layer, q, qpos, scale):
@@ -290,10 +292,33 @@ def _layer_cert(layer, stats, q, N):
     return {k: c[k] for k in CERT_KEYS} if c is not None else _twin_cert(layer, q, N)
 
 
-def _read_exact(layer, q, qpos, scale, out, cert, heads):
-    """Read KV heads `heads` (repaired: served exact) from the layer's exact copy through the kernel (exact fp32 rows,
-    c = 0), one call per run of adjacent heads (each a strided view: no copy of the keys); their output rows of
-    `out` and their certificate entries in `cert` are replaced."""
+def _read_heads(layer, q, qpos, scale, out, cert, heads):
+    """Read KV heads `heads` as they are served now, through the kernel, one call per run of adjacent heads: repaired
+    heads with offload "full" from the exact copy (exact fp32 rows, c = 0; strided views, kept across steps:
+    _exact_seg); the others off the scheme's codes (a ladder rung: the codes plus their rungs' refinements; repaired
+    with offload "residual": codes plus residual) as fp32 rows decoded by the twin (CertifiedLayer.served) with their
+    own witness (witness_codes: the rung's or the residual's). Their output rows of `out` and their certificate
+    entries in `cert` are replaced."""
+    if not heads:
+        return
+    full, rep, N = layer.cache.offload == "full", layer.repaired.tolist(), layer.n
+    exact = [h for h in heads if full and rep[h]]
+    _read_runs(layer, q, qpos, scale, out, cert, exact, lambda h0, h1: [cpu_fused.seg(h1 - h0, 0), _exact_seg(layer, h0, h1)],
+               None)
+    rest = [h for h in heads if h not in exact]
+    if rest:
+        k, v = CertifiedLayer.served(layer)
+        rho, ex = layer.witness_codes()
+        u8 = torch.uint8
+        lut = log_table32() if rho.dtype == u8 else None
+        segs = lambda h0, h1: [cpu_fused.seg(h1 - h0, N, k=k[:, h0:h1], v=v[:, h0:h1], rho=rho[:, h0:h1],  # witness: segment 0
+                                             valid=layer.valid[:, h0:h1].view(u8), exact=ex[:, h0:h1].view(u8)),
+                               cpu_fused.seg(h1 - h0, 0)]
+        _read_runs(layer, q, qpos, scale, out, cert, rest, segs, lut)
+
+
+def _read_runs(layer, q, qpos, scale, out, cert, heads, segs, lut):
+    """_read_heads for one kind of read: segs(h0, h1) the kernel's two segments of KV heads h0 .. h1 - 1."""
     G = q.shape[2] // layer.Hkv
     runs = []
     for h in sorted(heads):
@@ -304,11 +329,10 @@ def _read_exact(layer, q, qpos, scale, out, cert, heads):
     for h0, h1 in runs:
         hs = slice(h0 * G, h1 * G)
         qs = q[:, :, hs].contiguous()
-        o, st = cpu_fused._run(qs, qpos, [cpu_fused.seg(h1 - h0, 0), _exact_seg(layer, h0, h1)], scale, _bands(layer.cache),
-                               1, 1, True)
+        o, st = cpu_fused._run(qs, qpos, segs(h0, h1), scale, _bands(layer.cache), 1, 1, True, lut)
         out[:, :, hs] = o
         c = _certificate_or_none(layer, st, layer.n)
-        if c is None:  # the twin's certificate of the layer as now served (these heads exact)
+        if c is None:  # the twin's certificate of the layer as now served (these heads as served)
             c = {k: v[:, :, hs] for k, v in _twin_cert(layer, q, layer.n).items()}
         for k in CERT_KEYS:
             cert[k][:, :, hs] = c[k]
