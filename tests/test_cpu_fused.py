@@ -1098,6 +1098,48 @@ def test_fp8_read_sees_mutations_and_nan_codes(what):
     assert torch.equal(cpu_fused._run(q, qpos, [cpu_fused.seg(2, 24, **parts), cpu_fused.seg(2, 0)], 0.125, b64, 1, 1, False)[0], want)
 
 
+# ---- fp16 rows (a registered scheme's stored output) read in place ----
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), B=st.integers(1, 2), T=st.integers(1, 3), Hkv=st.integers(1, 2),
+       G=st.integers(1, 3), N=st.integers(1, 45), D=st.sampled_from([16, 64, 80]), certify=st.booleans())
+def test_fp16_rows_read_as_the_twins_decoded_rows(seed, B, T, Hkv, G, N, D, certify):
+    """fp16 rows read in place (F16C in the AVX2 build, half_to_float in the scalar one; subnormal and normal halves)
+    give the SAME output and stats, bit for bit, as the kernel reading their fp32 values (Fp16Stored.decode: x.float());
+    a flipped bit of the stored halves is seen."""
+    g = torch.Generator().manual_seed(seed)
+    T, NB, H = min(T, N), 8 if D % 8 == 0 and D >= 64 else 2, Hkv * G
+    k = (torch.randn(B, Hkv, N, D, generator=g) * torch.logspace(-7, 2, N).view(1, 1, N, 1)).half()  # subnormals too
+    v = torch.randn(B, Hkv, N, D, generator=g).half()
+    bands = fast.rope_bands(D, NB)
+    rho = fast.pack_witness(fast.witness(k.float() * 1.001, k.float(), bands)).contiguous()
+    q = torch.randn(B, T, H, D, generator=g).contiguous()
+    qpos = (N - T + torch.arange(T, dtype=torch.int32)).view(1, T).expand(B, T).contiguous()
+    lut, b64, s = _log_table("cpu").to(torch.float32).contiguous(), bands.to(torch.int64).contiguous(), D ** -0.5
+    halves = [cpu_fused.seg(Hkv, N, k=k, v=v, rho=rho), cpu_fused.seg(Hkv, 0)]
+    rows = [cpu_fused.seg(Hkv, N, k=k.float(), v=v.float(), rho=rho), cpu_fused.seg(Hkv, 0)]
+    for sc in (False, True):
+        got = cpu_fused._run(q, qpos, halves, s, b64, 1, 1, certify, lut, scalar=sc)
+        want = cpu_fused._run(q, qpos, rows, s, b64, 1, 1, certify, lut, scalar=sc)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1].view(torch.int64), want[1].view(torch.int64)), sc
+    v2 = v.clone()
+    v2.view(torch.int16)[0, 0, :, 0] ^= 1 << 9  # a mantissa bit of channel 0 of every token's value (row 0 reads them)
+    other = cpu_fused._run(q, qpos, [cpu_fused.seg(Hkv, N, k=k, v=v2, rho=rho), cpu_fused.seg(Hkv, 0)], s, b64, 1, 1,
+                           certify, lut)
+    assert not torch.equal(other[0], want[0])
+
+
+def test_fp16_rows_refuse_scales_dither_and_mixed_dtypes():
+    k = torch.zeros(1, 1, 8, 64, dtype=torch.float16)
+    sc = torch.ones(1, 1, 8, 1, dtype=torch.float16)
+    with pytest.raises(ValueError, match="only for integer codes"):
+        cpu_fused.seg(1, 8, k=k, v=k, k_scales=sc, v_scales=sc)
+    with pytest.raises(ValueError, match="fp16 and fp32 rows carry no dither"):
+        cpu_fused.seg(1, 8, k=k, v=k, dither=cpu_fused.Dither(1, 0, 0))
+    with pytest.raises(ValueError, match="both fp16 rows"):
+        cpu_fused.seg(1, 8, k=k, v=k.float())
+
+
 @pytest.mark.parametrize("what", ["scales_fp16", "one_scale", "scale_shape", "codes_int8", "pre_inexact", "scale_zero",
                                   "dtype", "mixed", "rtz_scales_differ"])
 def test_fp8_bad_inputs_one_value_error(what):

@@ -42,20 +42,25 @@ def _run(cache_cls, attn, ids, steps, before_step=None, scheme="int8", kv_heads=
                                             ("prerope_int4", False), ("prerope_int8", False), ("fp8_e4m3", False),
                                             ("fp8_e5m2", False), ("fp8_e4m3_rtz", False), ("fp8_e5m2_rtz", False),
                                             ("int8_dither", False), ("int4_dither", False), ("kivi2_dither", False),
-                                            ("kivi2_dither", True)])
+                                            ("kivi2_dither", True), ("registered", False)])
 def test_decode_matches_meter(monkeypatch, scheme, derived):
     """int8 and int4 (packed codes read in place; witness stored as log codes, or derived from the scales), kivi2
     (2-bit codes, keys per channel over blocks of 32 tokens), pre-RoPE keys (rotated at read) and fp8 codes
     (round-to-nearest with per-token scales, vLLM's round-toward-zero casts), dithered int8 / int4 codes (the dither
     regenerated at read; the dither estimate from the kernel's sums with each token's radius, against the meter's fp64
     dither_forms: both above the exact formula, the kernel's e margin smaller than dither_forms' 3 e, so slightly below
-    it where e matters), kivi2_dither's 2-bit dithered asymmetric codes (a dither step per channel and key block)."""
+    it where e matters), kivi2_dither's 2-bit dithered asymmetric codes (a dither step per channel and key block), a
+    registered scheme's fp16 outputs (rounded to multiples of 1/8 here)."""
     monkeypatch.setattr(hf_fused, "FLUSH_BLOCK", 1)  # the meter's cache flushes every step: same contents
     ids = tiny_ids(B=2, N=70)
     dith = scheme.endswith("_dither")
     if scheme.startswith("prerope"):
         from fast.core.prerope import prerope_scheme
         scheme = prerope_scheme(tiny_llama().config, bits=int(scheme[-1]))
+    if scheme == "registered":
+        from fast.core.schemes import register_scheme, unregister_scheme
+        scheme = register_scheme("test_eighths", lambda x: (x * 8).round() / 8)
+        unregister_scheme("test_eighths")  # the Scheme object itself is passed on
     kw = dict(window=8, sinks=4, scheme=scheme, derived=derived, **(dict(seed=11) if dith else {}))
     ref_logits, ref_cache = _run(TwinCache, "kvcert", ids, 6, **kw)
     fus_logits, fus_cache = _run(FusedCertifiedCache, hf_fused.NAME, ids, 6, **kw)

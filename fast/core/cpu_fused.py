@@ -388,7 +388,8 @@ def seg(Hkv, n, *, k=None, v=None, k_scales=None, v_scales=None, rho=None, valid
         k_asym=None, v_asym=None, fp8=None, dither=None):
     """One kernel segment: keys/values int8 codes [B, Hkv, N, D], packed int4 codes (uint8 [B, Hkv, N, D / 2],
     fast.core.quant's layout: channel d in byte d // 2, low nibble = even channel, code = nibble - 8), each with
-    fp16 scales [.., N, ng], ng dividing D (int16 views of them accepted), or fp32 rows [B, Hkv, N, D]; rho [B, Hkv, N, NB] uint8 log codes or fp32 (None: c = 0,
+    fp16 scales [.., N, ng], ng dividing D (int16 views of them accepted), fp16 rows (no scales: a registered
+    scheme's stored output, decoded exactly at read) or fp32 rows [B, Hkv, N, D]; rho [B, Hkv, N, NB] uint8 log codes or fp32 (None: c = 0,
     exact tokens); valid / exact uint8 or bool [B, Hkv, N] (size 1 or stride 0 broadcasts in B, Hkv); pos
     int32 [B, Hkv, N] (None: storage index). Every shape, dtype, stride and count the kernel trusts is
     checked here (ValueError); _run checks the segments against the query. Tensors are kept alive by the
@@ -425,13 +426,17 @@ def seg(Hkv, n, *, k=None, v=None, k_scales=None, v_scales=None, rho=None, valid
     packed = isinstance(k, torch.Tensor) and k.dtype == torch.uint8  # int4: two codes per byte, [.., N, D / 2]
     D = 2 * W if packed else W
     for name, t in (("k", k), ("v", v)):
-        _set(c, keep, name, name, t, (torch.int8, torch.uint8, torch.float32), (B, Hkv, n, W))
+        _set(c, keep, name, name, t, (torch.int8, torch.uint8, torch.float32, torch.float16), (B, Hkv, n, W))
     _check_head_dim(D)
     if k.dtype != v.dtype:
-        raise ValueError("k and v: both int8 codes, both packed int4 codes (uint8 [.., N, D / 2]) or both fp32 rows")
-    c.coded, c.int4 = int(k.dtype != torch.float32), int(packed)
+        raise ValueError("k and v: both int8 codes, both packed int4 codes (uint8 [.., N, D / 2]), both fp16 rows or "
+                         "both fp32 rows")
+    half = k.dtype == torch.float16  # fp16 rows (a registered scheme's stored output): decoded exactly at read
+    if dither is not None and k.dtype in (torch.float16, torch.float32):
+        raise ValueError("dither: symmetric int8 / int4 codes (fp16 and fp32 rows carry no dither)")
+    c.coded, c.int4, c.f16 = int(k.dtype != torch.float32), int(packed), int(half)
     ng = [1, 1]
-    if c.coded:
+    if c.coded and not half:
         for i, (name, t) in enumerate((("k_scales", k_scales), ("v_scales", v_scales))):
             if t is None:
                 raise ValueError(f"{name}: integer codes need their fp16 scales")
@@ -441,7 +446,7 @@ def seg(Hkv, n, *, k=None, v=None, k_scales=None, v_scales=None, rho=None, valid
                 raise ValueError(f"{name}: {ng[i]} groups do not divide the head size {D}")
         k_scales, v_scales = k_scales.view(torch.int16), v_scales.view(torch.int16)
     elif k_scales is not None or v_scales is not None:
-        raise ValueError("k_scales / v_scales: only for integer codes")
+        raise ValueError("k_scales / v_scales: only for integer codes (not fp16 or fp32 rows)")
     keep["B"], keep["D"], keep["ng"] = B, D, tuple(ng)
     for name, t in (("ks", k_scales), ("vs", v_scales)):
         if t is not None:

@@ -18,7 +18,7 @@ import torch
 from fast.core.threads import read_threads
 
 SRC = Path(__file__).resolve().parent / "csrc" / "cpu_fused.cpp"
-ABI = 5  # csrc: kvcert_fused_abi (bumped with every change of Seg / Args)
+ABI = 6  # csrc: kvcert_fused_abi (bumped with every change of Seg / Args)
 FLAGS = ["-O3", "-g", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp", "-fopenmp-simd", "-fPIC", "-shared", "-std=c++17"]
 
 
@@ -42,7 +42,7 @@ class _Seg(ctypes.Structure):
         ("fp8", ctypes.c_int), ("f8lut", ctypes.c_void_p), ("ks8", ctypes.c_void_p), ("vs8", ctypes.c_void_p),
         ("f8scale", ctypes.c_float), ("f8pre", ctypes.c_float), ("f8post", ctypes.c_float),
         ("dith", ctypes.c_int), ("dkey", ctypes.c_void_p), ("dk_sb", ctypes.c_int64), ("dk_sh", ctypes.c_int64),
-        ("dtok0", ctypes.c_int64)]]
+        ("dtok0", ctypes.c_int64), ("f16", ctypes.c_int)]]
 
 
 class _Args(ctypes.Structure):

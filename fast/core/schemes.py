@@ -265,8 +265,9 @@ class Scheme:
     derived_witness: the stored payload has a uniform step with |error| <= step/2;
     dither: the probabilistic tier (math.md T6) applies;
     layout: the stored layout when it is one the fused CPU read takes in place (fast.integrations.hf_fused
-    FUSED_LAYOUTS: "int8", "int4", "int8_dither", "int4_dither", "fp8", "kivi2", "kivi2_dither", "prerope"), set by the built-in constructors only ("" otherwise:
-    a Scheme built by hand is read by the torch twin, whatever its name).
+    FUSED_LAYOUTS: "int8", "int4", "int8_dither", "int4_dither", "fp8", "kivi2", "kivi2_dither", "prerope", and "fp16" for
+    register_scheme's fp16 outputs), set by the built-in constructors and register_scheme only ("" otherwise: a Scheme
+    built by hand is read by the torch twin, whatever its name).
     """
     name: str
     encode_k: object  # (x [B,Hkv,n,D], layer, token_start, seed) -> Stored
@@ -334,7 +335,7 @@ def _private(x):
 
 
 def _blackbox_scheme(name, fn, deterministic):
-    scheme = Scheme(name, None, None, deterministic=deterministic, fn=fn)
+    scheme = Scheme(name, None, None, deterministic=deterministic, fn=fn, layout="fp16")  # the kernel reads Fp16Stored rows
 
     def encode(x, layer, token_start, seed):
         x16 = _owned_output(name, x, fn(_private(x)))

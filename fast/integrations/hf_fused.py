@@ -15,9 +15,11 @@ What changes against CertifiedCache + the "kvcert" meter (fast.integrations.hf_m
   attention reads the layer's parts in place: int8 or packed int4 codes + fp16 scales (dithered too: the dither
   regenerated at read, the dither estimate from the same pass: _dither_estimate), fp8 codes (+ fp32 per-token
   scales, or vLLM's round-toward-zero casts with their tensor scale), kivi2's 2-bit
-  codes + fp16 scales and zeros (dithered too: kivi2_dither), or pre-RoPE key codes (rotated at read) + int8 values, and the uint8
+  codes + fp16 scales and zeros (dithered too: kivi2_dither), pre-RoPE key codes (rotated at read) + int8 values, or a
+  registered scheme's fp16 outputs (decoded exactly at read), and the uint8
   witness codes of the quantized part (segment 0; _codes), and the exact overlay (sinks) + exact tail
-  (segment 1, fp32). Which schemes: Scheme.layout in FUSED_LAYOUTS (set by the built-in constructors).
+  (segment 1, fp32). Which schemes: Scheme.layout in FUSED_LAYOUTS (set by the built-in constructors and
+  register_scheme).
 - Every query row with a cache behind it goes through the kernel: decode (T = 1) and multi-token
   reads (a second turn, chunked prefill: row t at storage position n - T + t, causal).
 - Window leavers are quantized in blocks of FLUSH_BLOCK (one quantize + witness call per 32 steps
@@ -31,7 +33,7 @@ What changes against CertifiedCache + the "kvcert" meter (fast.integrations.hf_m
   rungs and residual repairs as fp32 rows decoded by the twin with their own witness (_read_heads).
 - Shadow mode: the layer's certificate at once too (_gated), and the record's true_tv from the exact copy (_true_tv).
 Falls back to the torch twin (hf_meter's decode_step / rows_step, the served fp32 copy), certified
-the same way, where the kernel does not apply: registered schemes, value or box bounds, the subspace witness, non-fp32 models. The first
+the same way, where the kernel does not apply: value or box bounds, the subspace witness, non-fp32 models. The first
 prefill reads the exact states with sdpa, as everywhere.
 """
 
@@ -63,7 +65,7 @@ def enable(model):
 
 CERT_KEYS = ("max_c",) + FORMS  # what a record takes from a certificate dict
 FLUSH_BLOCK = 32  # tail tokens quantized together once the tail exceeds window + FLUSH_BLOCK
-FUSED_LAYOUTS = cpu_fused.FUSED_SCHEMES + cpu_fused.DITHER_SCHEMES + ("fp8", "kivi2", "kivi2_dither", "prerope")  # Scheme.layout values the kernel reads in place
+FUSED_LAYOUTS = cpu_fused.FUSED_SCHEMES + cpu_fused.DITHER_SCHEMES + ("fp8", "kivi2", "kivi2_dither", "prerope", "fp16")  # Scheme.layout values the kernel reads in place
 
 
 def _repeats(idx, on):
@@ -118,7 +120,8 @@ class FusedLayer(CertifiedLayer):
         # the quantized part changes only when a block is flushed (nq, the codes buffer) or when the
         # readable flags of its tokens or of the overlay change (compared by content: every step's
         # append to the tail bumps valid's version, which must not rebuild segment 0)
-        key0 = (nq, E, self.kq.f["codes"].buf.data_ptr() if nq else 0, self.cache.certify, self.ex_idx.data_ptr())
+        stored = self.kq.f["codes" if "codes" in self.kq.f else "x"] if nq else None  # codes, or fp16 rows (registered)
+        key0 = (nq, E, stored.buf.data_ptr() if nq else 0, self.cache.certify, self.ex_idx.data_ptr())
         old = getattr(self, "_seg0", None)
         if (old is not None and old[0] == key0 and not self.derived and torch.equal(old[2], va[:, :, :nq])
                 and torch.equal(old[3], self.ex_on)):
@@ -185,7 +188,7 @@ def _codes(layout, kq, vq):
     scheme's layout: int8 / int4 QTensor codes + fp16 scales, fp8 codes (cpu_fused.fp8_parts), kivi2's 2-bit codes (keys per channel over blocks
     of 32 tokens, values per token group), prerope's pre-RoPE key codes (rotated at read) + int8 values."""
     from fast.core.prerope import PreRopeKeys
-    from fast.core.schemes import KiviDither, KiviKeys, KiviValues
+    from fast.core.schemes import Fp16Stored, KiviDither, KiviKeys, KiviValues
     if layout in cpu_fused.FUSED_SCHEMES:
         k, v = kq.qt, vq.qt
         return dict(k=k.codes, v=v.codes, k_scales=k.scales.view(torch.int16), v_scales=v.scales.view(torch.int16))
@@ -208,6 +211,8 @@ def _codes(layout, kq, vq):
         return dict(k_asym=cpu_fused.AsymKeys(kq.get("codes"), kq.get("scale"), kq.get("zero"), kq.bits, PRE_BLOCK,
                                               (cos.contiguous(), sin.contiguous(), kq.token_start)),
                     v=v.codes, v_scales=v.scales.view(torch.int16))
+    if layout == "fp16" and isinstance(kq, Fp16Stored) and isinstance(vq, Fp16Stored):  # a registered scheme's outputs
+        return dict(k=kq.get("x"), v=vq.get("x"))
     raise RuntimeError(f"fused read: a {layout!r} layout stores {type(kq).__name__} / {type(vq).__name__}")
 
 

@@ -195,6 +195,10 @@ struct Seg {
     int dith;
     const uint32_t* dkey; int64_t dk_sb, dk_sh;
     int64_t dtok0;
+    // fp16 rows (coded, f16 = 1; keys and values alike, no scales): [.., N, D] binary16, x~ = the fp32 value of each
+    // (exact): a registered scheme's stored output (fast.core.schemes Fp16Stored), the twin's x.float() bit for bit.
+    // The logit bound e takes the decoded rows' own max |k~| (as fp32 rows).
+    int f16;
 };
 
 // element offset of token j's row (length len) in an array of the segment with strides (sb, sh)
@@ -522,6 +526,19 @@ inline const float* fp8_row(const Seg& sg, bool values, int64_t b, int64_t h, in
     return buf;
 }
 
+// Row jj of an fp16 segment (Seg: f16) decoded into buf (exact conversions: F16C where the build has it, else
+// half_to_float, the same values); smax (keys): per channel max |k~| into smax[D + d], as for fp32 rows.
+inline const float* f16_row(const Seg& sg, bool values, int64_t b, int64_t h, int64_t jj, int64_t D, float* buf, float* smax) {
+    const uint16_t* x = (const uint16_t*)(values ? sg.v : sg.k) + row_off(sg, values ? sg.v_sb : sg.k_sb, values ? sg.v_sh : sg.k_sh, b, h, jj, D);
+    int64_t d = 0;
+#if KVCERT_AVX2 && defined(__F16C__)
+    for (; d + 8 <= D; d += 8) _mm256_storeu_ps(buf + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(x + d))));
+#endif
+    for (; d < D; ++d) buf[d] = half_to_float(x[d]);
+    if (smax) abs_max_into(buf, D, smax + D);
+    return buf;
+}
+
 // Row jj of a dithered segment (Seg: dith) decoded into buf: x~ = fl((m - u) * scale), m the int8 code or the int4
 // nibble - 8 (nibble 0: NaN, as seg_row), u the token's dither (dither_u): fast.core.quant.dequantize's operations,
 // bit for bit (m - u is exact in fp32). smax (keys): per channel max |k~| into smax[D + d], as for fp32 rows.
@@ -553,8 +570,8 @@ inline const float* dither_row(const Seg& sg, bool values, int64_t b, int64_t h,
 }
 
 // true when a segment's logit bound takes the largest scale of each group times the largest code (int8, int4), false
-// when it takes the decoded rows' own max |k~| (fp32 rows, asymmetric codes, fp8, dithered codes)
-inline bool scale_max(const Seg& sg) { return sg.coded && !sg.kasym && !sg.fp8 && !sg.dith; }
+// when it takes the decoded rows' own max |k~| (fp32 rows, asymmetric codes, fp8, dithered codes, fp16 rows)
+inline bool scale_max(const Seg& sg) { return sg.coded && !sg.kasym && !sg.fp8 && !sg.dith && !sg.f16; }
 
 // Row jj of a segment's keys (values = false) or values, as fp32: code * scale (exact in fp32: 8- or 4-bit code,
 // 11-bit fp16 scale) written into buf, or a pointer to the fp32 row. smax (keys only, may be null):
@@ -579,6 +596,7 @@ __attribute__((always_inline)) inline const float* seg_row(const Seg& sg, bool v
     }
     if (values ? sg.vasym : sg.kasym) return asym_row(sg, values, b, h, jj, D, ng, buf, smax);
     if (sg.fp8) return fp8_row(sg, values, b, h, jj, D, buf, smax);
+    if (sg.f16) return f16_row(sg, values, b, h, jj, D, buf, smax);
     if (sg.dith) return dither_row(sg, values, b, h, jj, D, ng, buf, smax);
     const uint16_t* sc = values ? sg.vs + row_off(sg, sg.vs_sb, sg.vs_sh, b, h, jj, ng) : sg.ks + row_off(sg, sg.ks_sb, sg.ks_sh, b, h, jj, ng);
     const int64_t gw = D / ng;
@@ -1339,7 +1357,7 @@ int epilogue(const double* st, int64_t rows, const EpiConst& k, float* out) {
 
 extern "C" {
 
-int kvcert_fused_abi() { return 5; }
+int kvcert_fused_abi() { return 6; }
 
 int kvcert_fused_avx2() { return KVCERT_AVX2; }
 
