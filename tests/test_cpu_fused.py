@@ -1129,6 +1129,82 @@ def test_fp16_rows_read_as_the_twins_decoded_rows(seed, B, T, Hkv, G, N, D, cert
     assert not torch.equal(other[0], want[0])
 
 
+# ---- the output bound's sums (value_bound) ----
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), B=st.integers(1, 2), T=st.integers(1, 3), Hkv=st.integers(1, 2),
+       G=st.integers(1, 3), N0=st.integers(1, 40), N1=st.integers(0, 9), scheme=st.sampled_from(["int8", "int4"]),
+       vscale=st.floats(-4, 3), centre=st.sampled_from(["mean", "zero", "far"]), mag=st.sampled_from([0.3, 3.0, 30.0]))
+def test_output_bound_from_the_kernel_sums_holds_against_exact_values(seed, B, T, Hkv, G, N0, N1, scheme, vscale, centre, mag):
+    """The fused read's output bound (_run(value=...) sums -> attention.output_error_from_sums, as hf_fused._out_err):
+    ||o - out|| <= out_err per (row, query head), o the fp64 attention over the exact keys and values the test made
+    (never touched by the kernel), out the kernel's output over quantized keys and values (segment 0) and exact rows
+    (segment 1), causal rows; any centre (the radii's) is sound. The sums themselves: max e_j and the per-channel
+    max |v~| exactly, the radii's max within its rounding of the exact one, sum w e / sum w between the readable
+    tokens' smallest and largest e."""
+    from fast.core.attention import output_error_from_sums
+    from fast.core.certify import gamma, up64
+    from fast.integrations.hf_layer import value_error_norms
+    g = torch.Generator().manual_seed(seed)
+    D, NB, H, N = 64, 8, Hkv * G, N0 + N1
+    T = min(T, N)
+    k = torch.randn(B, Hkv, N, D, generator=g)
+    v = (torch.randn(B, Hkv, N, D, generator=g) + 2.0) * 10 ** vscale  # an offset: the centre matters
+    kq, vq = quantize(k[:, :, :N0], scheme), quantize(v[:, :, :N0], scheme)
+    kd, vd = fast.dequantize(kq), fast.dequantize(vq)
+    bands = fast.rope_bands(D, NB)
+    rho = fast.pack_witness(fast.witness(k[:, :, :N0], kd, bands)).contiguous()
+    v_err = value_error_norms(v[:, :, :N0], vd).contiguous()
+    parts = dict(k=kq.codes, v=vq.codes, k_scales=kq.scales, v_scales=vq.scales)
+    segs = [cpu_fused.seg(Hkv, N0, **parts, rho=rho, v_err=v_err),
+            cpu_fused.seg(Hkv, N1, k=k[:, :, N0:].contiguous(), v=v[:, :, N0:].contiguous())]
+    served_v = torch.cat([vd, v[:, :, N0:]], 2)
+    c = {"mean": served_v.mean(2), "zero": torch.zeros(B, Hkv, D), "far": served_v.mean(2) + 100 * 10 ** vscale}[centre]
+    q = (torch.randn(B, T, H, D, generator=g) * mag).contiguous()
+    qpos = (N - T + torch.arange(T, dtype=torch.int32)).view(1, T).expand(B, T).contiguous()
+    lut, b64, s = _log_table("cpu").to(torch.float32).contiguous(), bands.to(torch.int64).contiguous(), D ** -0.5
+    ngk, ngv = segs[0]["ng"]
+    out, st, (vst, vmax) = cpu_fused._run(q, qpos, segs, s, b64, ngk, ngv, True, lut, value=c.contiguous())
+    cert = cpu_fused._certificate(st, NB, N, D)  # None: the epilogue needs fp64 terms (a huge witness): TV <= 1
+    tv = torch.ones(B, T, H) if cert is None else cert["min"]
+    v64 = vmax.double()
+    vnorm = up64(torch.sqrt((v64 * v64).sum(-1)) * (1 + 2 * gamma(D + 4))).repeat_interleave(G, dim=1)
+    bound = output_error_from_sums(vst[..., 0], st[..., 0], vst[..., 2], vst[..., 1], vnorm[:, None], tv, N, D)
+    # the truth: exact keys and values, fp64, row t of query head h reads tokens <= its position
+    kk, vv = k.double().repeat_interleave(G, 1), v.double().repeat_interleave(G, 1)  # [B, H, N, D]
+    x = torch.einsum("bthd,bhnd->bthn", q.double(), kk) * s
+    vis = torch.arange(N)[None, :] <= qpos[0].long()[:, None]  # [T, N]
+    o = torch.einsum("bthn,bhnd->bthd", x.masked_fill(~vis[None, :, None], float("-inf")).softmax(-1), vv)
+    err = (o - out.double()).norm(dim=-1)
+    assert bool((err <= bound.double()).all()), (float((err / bound).max()), centre)
+    # the sums
+    assert torch.equal(vmax, served_v.abs().amax(2))
+    e_all = torch.cat([v_err, torch.zeros(B, Hkv, N1)], 2).double().repeat_interleave(G, 1)  # [B, H, N]
+    e_vis = torch.where(vis[None, :, None], e_all[:, None], 0.0)  # [B, T, H, N]
+    assert torch.equal(vst[..., 1], e_vis.amax(-1))
+    rad = (served_v.double() - c.double()[:, :, None]).norm(dim=-1).repeat_interleave(G, 1)
+    rmax = torch.where(vis[None, :, None], rad[:, None], 0.0).amax(-1)
+    assert bool((vst[..., 2] >= rmax).all()) and bool((vst[..., 2] <= rmax * (1 + 1e-12) + 1e-300).all())
+    ratio = vst[..., 0] / st[..., 0]
+    lo = torch.where(vis[None, :, None], e_all[:, None], float("inf")).amin(-1)
+    assert bool((ratio >= lo * (1 - 1e-12)).all()) and bool((ratio <= vst[..., 1] * (1 + 1e-12)).all())
+
+
+def test_value_sums_refuse_bad_inputs():
+    k = torch.zeros(1, 1, 8, 64)
+    with pytest.raises(ValueError, match="v_err"):
+        cpu_fused.seg(1, 8, k=k, v=k, v_err=torch.full((1, 1, 8), -1.0))
+    with pytest.raises(ValueError, match="v_err"):
+        cpu_fused.seg(1, 8, k=k, v=k, v_err=torch.zeros(1, 1, 7))
+    segs = [cpu_fused.seg(1, 8, k=k, v=k, rho=torch.zeros(1, 1, 8, 8)), cpu_fused.seg(1, 0)]
+    q, qpos, b64 = torch.zeros(1, 1, 1, 64), torch.tensor([[7]], dtype=torch.int32), fast.rope_bands(64, 8).to(torch.int64).contiguous()
+    for bad in (torch.full((1, 1, 64), float("nan")), torch.zeros(1, 2, 64), 1.0):
+        with pytest.raises(ValueError, match="value"):
+            cpu_fused._run(q, qpos, segs, 0.125, b64, 1, 1, True, value=bad)
+    with pytest.raises(ValueError, match="certified read"):
+        cpu_fused._run(q, qpos, segs, 0.125, b64, 1, 1, False, value=0)
+
+
 def test_fp16_rows_refuse_scales_dither_and_mixed_dtypes():
     k = torch.zeros(1, 1, 8, 64, dtype=torch.float16)
     sc = torch.ones(1, 1, 8, 1, dtype=torch.float16)

@@ -160,6 +160,27 @@ def test_gated_decode_matches_meter(monkeypatch, scheme, gate, kv_heads, hook, o
         assert fus.layers[0].rung.tolist() == [2, 0, 1, 0] and not bool(fus.layers[0].repaired.any())
 
 
+@pytest.mark.parametrize("scheme,gate,offload", [("int8", "none", "full"), ("kivi2", "none", "full"),
+                                                 ("int4", "ladder:0.39", "full"), ("int4", "certified:0.39", "residual")])
+def test_value_bound_matches_meter(monkeypatch, scheme, gate, offload):
+    """value_bound=True on the fused read (the output bound from the kernel's sums, hf_fused._out_err) against the
+    meter's twin: the same logits and promotions, out_err within a few percent of the twin's (the radii's centre is the
+    layer's first served mean, not each read's: either is sound), and >= the true ||o - out|| of shadow mode."""
+    monkeypatch.setattr(hf_fused, "FLUSH_BLOCK", 1)
+    ids = tiny_ids(B=2, N=70)
+    kw = dict(window=8, sinks=4, scheme=scheme, gate=gate, offload=offload, value_bound=True, shadow=True)
+    ref_logits, ref = _run(TwinCache, "kvcert", ids, 6, **kw)
+    fus_logits, fus = _run(CertifiedCache, hf_fused.NAME, ids, 6, **kw)
+    assert all(layer.fused_ok() for layer in fus.layers) and fus.fused_reads == 6 * 2
+    torch.testing.assert_close(fus_logits, ref_logits, rtol=1e-4, atol=1e-4)
+    for r, f in zip(ref.records, fus.records):
+        assert torch.equal(r["rung"], f["rung"]) and bool((f["true_out_err"] <= f["out_err"]).all())
+        ratio = f["out_err"] / r["out_err"]
+        assert bool((ratio > 0.95).all() and (ratio < 1.2).all()), (f["step"], f["layer"], ratio)
+    if gate != "none":
+        assert any(f["fresh_repairs"] for f in fus.records)
+
+
 def test_gated_second_turn_rows_match_the_meter(monkeypatch):
     """A multi-token read through the gate: the worst row of each KV head decides its repair, as in the meter."""
     monkeypatch.setattr(hf_fused, "FLUSH_BLOCK", 1)

@@ -247,14 +247,23 @@ def output_error_bound(w, valid, vinfo, tv, N, D, scaled=False):
     err = vinfo["err"]
     S = torch.matmul(w64, err.unsqueeze(-1)).view(B, H)  # N products and an N-term sum in fp64
     Z = w64.sum(-1).view(B, H)
-    z_lo = Z * (1 - 2 * gamma(N))
-    spread = S * (1 + 2 * gamma(N + 2)) / z_lo
     if valid is None:
         vis = torch.ones(B, 1, 1, N, dtype=torch.bool, device=w.device)
     else:
         vis = valid.view(B, 1, 1, N) if valid.dim() == 2 else valid.view(B, Hkv, G, N)
     rmax = torch.where(vis, vinfo["rad"].unsqueeze(2), 0.0).amax(-1).expand(B, Hkv, G).reshape(B, H)
     emax = torch.where(vis, err.unsqueeze(2), 0.0).amax(-1).expand(B, Hkv, G).reshape(B, H)
+    return output_error_from_sums(S, Z, rmax, emax, vinfo["vnorm"].repeat_interleave(G, dim=1), tv, N, D, scaled)
+
+
+def output_error_from_sums(S, Z, rmax, emax, vnorm, tv, N, D, scaled=False):
+    """output_error_bound from its sums, [B, H] (or any shape) fp64 each: S = sum_j w_j e_j (fp64 products of fp32
+    values, an N-term fp64 sum), Z = sum_j w_j (fp64), rmax >= max ||v~_j - centre|| and emax = max e_j over the row's
+    tokens, vnorm >= ||vmax|| (vmax_i >= max_j |v~_ji|); tv >= TV(p, p_w). Shared by the torch twin and the fused C++
+    read (fast.core.cpu_fused, _run(value=...): its output is an N-term fp32 dot product in a fixed tree, divided by
+    fl32(Z), which is within g W of W = sum w as the fp32 sum the argument above takes)."""
+    z_lo = Z * (1 - 2 * gamma(N))
+    spread = S * (1 + 2 * gamma(N + 2)) / z_lo
     tv_w = torch.clamp(tv.to(torch.float64), max=1.0)
     g32 = _gamma32(N)
     g = g32 / (1 - g32) if g32 < 0.5 else math.inf  # |W^ - W| <= g W (T8a: W (1 - g32) <= W^; T8f: W^ (1 - g32) <= W)
@@ -266,7 +275,7 @@ def output_error_bound(w, valid, vinfo, tv, N, D, scaled=False):
     # T5d (proofs/Served.v out_quotient_le_f32) with E = c W vmax_i + a_n, V = vmax_i: per coordinate
     # ((1 + u)(c + g)/(1 - g) + u) vmax_i + (1 + u) a_n / ((1 - g) W) + eta; in norm, ||vmax|| and sqrt(D)
     rel = ((1 + U32) * (c + g) / (1 - g) + U32) * (1 + 1e-9) if g < 1 else math.inf
-    arith = rel * vinfo["vnorm"].repeat_interleave(G, dim=1)
+    arith = rel * vnorm
     subnormal = math.sqrt(D) * (1 + 1e-9) * ((1 + U32) * a_n / ((1 - g) * z_lo) + eta)
     bound = (tv_w * (2 * rmax + 2 * emax) + spread + arith + subnormal) * (1 + 2.0 ** -40)
     return up32(bound)

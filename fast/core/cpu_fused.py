@@ -166,13 +166,17 @@ def _sums_to_pmz(stats, NB, N):
     return np.stack([z, p, m]), cm
 
 
-def _run(q, qpos, segs, s, bands, ngk, ngv, certify, lut=None, scalar=False, out=None, dither_F=None):
+def _run(q, qpos, segs, s, bands, ngk, ngv, certify, lut=None, scalar=False, out=None, dither_F=None, value=None):
     """Call the kernel. q [B, T, H, D] fp32 contiguous; qpos [B, T] int32; segs: two results of seg();
     bands [NB, W] int64 contiguous. Returns out [B, T, H, D] fp32 (written into `out` when given: fp32,
     contiguous, that shape), stats [B, T, H, 5] fp64 (Z, S1, S2, max c^, e). NaN/Inf: ValueError.
     dither_F (segment 0 dithered, certify): F >= sqrt(2 ln(2 n / d)) (fast.core.dither.radius_factor); then a third
     result, dstats [B, T, H, 5]: the same five numbers with each token's dither radius in place of c^ (csrc:
-    dither_sums), for _certificate: the dither tier's estimate (fast.core.dither, spec A2)."""
+    dither_sums), for _certificate: the dither tier's estimate (fast.core.dither, spec A2).
+    value (certify): the centre [B, Hkv, D] fp32 of the value witness's radii (None: 0); then a last result, the output
+    bound's sums (csrc Args.vstats: segment 0's v_err, seg()): vstats [B, T, H, 3] fp64 (sum_j w_j e_j, max e_j,
+    max r_j >= ||v~_j - centre||, over each row's tokens) and vmax [B, Hkv, D] fp32 (max |v~| per channel), for
+    fast.core.attention.output_error_from_sums."""
     B, T, H, D, NB = _check_run(q, qpos, segs, s, bands, ngk, ngv, certify, lut)
     if dither_F is not None:
         if not (certify and segs[0]["c"].n and segs[0]["c"].dith):
@@ -195,13 +199,30 @@ def _run(q, qpos, segs, s, bands, ngk, ngv, certify, lut=None, scalar=False, out
     if dither_F is not None:
         dstats = torch.empty(B, T, H, 5, dtype=torch.float64)
         a.dF, a.dstats = float(dither_F), dstats.data_ptr()
+    vres = None
+    if value is not None:
+        if not certify:
+            raise ValueError("value: the output bound's sums are for a certified read")
+        Hkv = segs[0]["Hkv"]
+        vstats = torch.empty(B, T, H, 3, dtype=torch.float64)
+        vmax = torch.empty(B, Hkv, D, dtype=torch.float32)
+        a.vstats, a.vmax, a.v_margin = vstats.data_ptr(), vmax.data_ptr(), _band_margin(D) * (1 + 2.0 ** -50)
+        if isinstance(value, torch.Tensor):
+            _check_block("value", value, (torch.float32,), (B, Hkv, D))
+            if not value.is_contiguous() or not bool(torch.isfinite(value).all()):
+                raise ValueError("value: a contiguous, finite fp32 [B, Hkv, D] centre")
+            a.vctr = value.data_ptr()
+        elif value != 0:
+            raise ValueError("value: the centre, an fp32 [B, Hkv, D] tensor, or 0")
+        vres = (vstats, vmax)
     _lib(scalar).kvcert_fused_run(ctypes.byref(a))
     nan_k, nan_v = scratch[1].view(-1)[:2].tolist()
     if not math.isfinite(nan_k):
         raise ValueError("k or q: non-finite logits (NaN/Inf in q, the key cache or its scales, or logits overflow fp32)")
     if not math.isfinite(nan_v):
         raise ValueError("v: NaN/Inf in the value cache")
-    return (out, stats) if dstats is None else (out, stats, dstats)
+    res = (out, stats) if dstats is None else (out, stats, dstats)
+    return res if vres is None else (*res, vres)
 
 
 def _check_run(q, qpos, segs, s, bands, ngk, ngv, certify, lut):
@@ -385,7 +406,7 @@ def _set_dither(c, keep, B, Hkv, n, D, dither):
 
 
 def seg(Hkv, n, *, k=None, v=None, k_scales=None, v_scales=None, rho=None, valid=None, exact=None, pos=None,
-        k_asym=None, v_asym=None, fp8=None, dither=None):
+        k_asym=None, v_asym=None, fp8=None, dither=None, v_err=None):
     """One kernel segment: keys/values int8 codes [B, Hkv, N, D], packed int4 codes (uint8 [B, Hkv, N, D / 2],
     fast.core.quant's layout: channel d in byte d // 2, low nibble = even channel, code = nibble - 8), each with
     fp16 scales [.., N, ng], ng dividing D (int16 views of them accepted), fp16 rows (no scales: a registered
@@ -401,7 +422,18 @@ def seg(Hkv, n, *, k=None, v=None, k_scales=None, v_scales=None, rho=None, valid
     both fp32 [B, Hkv, N, 1] (one scale per token) or both None (Fp8Read.scale): fp8_parts(qt) builds them from a QTensor.
     Dithered int8 / int4 codes: dither = Dither(seed, layer, token_start) beside k / v and their scales (the QTensors'
     counters; dither_parts(qt) builds them); dithered 2-bit asymmetric codes (kivi2_dither): dither beside k_asym (2 bits,
-    no rope) and v_asym, x~ = fl(fl((code - u) scale) + zero)."""
+    no rope) and v_asym, x~ = fl(fl((code - u) scale) + zero).
+    v_err: fp32 [B, Hkv, N] >= ||v_j - v~_j|| (the value witness, math.md T5; 0 at tokens flagged exact), read by
+    _run(value=...) for the output bound's sums."""
+    keep = _seg(Hkv, n, k, v, k_scales, v_scales, rho, valid, exact, pos, k_asym, v_asym, fp8, dither)
+    if v_err is not None and n:
+        _check_block("v_err", v_err, (torch.float32,), (keep["B"], Hkv, n))
+        _checks.nonneg_finite("v_err", v_err)
+        _set(keep["c"], keep, "verr", "ve", v_err, (torch.float32,), (keep["B"], Hkv, n))
+    return keep
+
+
+def _seg(Hkv, n, k, v, k_scales, v_scales, rho, valid, exact, pos, k_asym, v_asym, fp8, dither):
     if isinstance(Hkv, bool) or not isinstance(Hkv, int) or Hkv < 1 or isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"seg: Hkv >= 1 and n >= 0 integers, got {Hkv!r}, {n!r}")
     c = _Seg()

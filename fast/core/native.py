@@ -18,7 +18,7 @@ import torch
 from fast.core.threads import read_threads
 
 SRC = Path(__file__).resolve().parent / "csrc" / "cpu_fused.cpp"
-ABI = 6  # csrc: kvcert_fused_abi (bumped with every change of Seg / Args)
+ABI = 7  # csrc: kvcert_fused_abi (bumped with every change of Seg / Args)
 FLAGS = ["-O3", "-g", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp", "-fopenmp-simd", "-fPIC", "-shared", "-std=c++17"]
 
 
@@ -42,7 +42,8 @@ class _Seg(ctypes.Structure):
         ("fp8", ctypes.c_int), ("f8lut", ctypes.c_void_p), ("ks8", ctypes.c_void_p), ("vs8", ctypes.c_void_p),
         ("f8scale", ctypes.c_float), ("f8pre", ctypes.c_float), ("f8post", ctypes.c_float),
         ("dith", ctypes.c_int), ("dkey", ctypes.c_void_p), ("dk_sb", ctypes.c_int64), ("dk_sh", ctypes.c_int64),
-        ("dtok0", ctypes.c_int64), ("f16", ctypes.c_int)]]
+        ("dtok0", ctypes.c_int64), ("f16", ctypes.c_int), ("verr", ctypes.c_void_p), ("ve_sb", ctypes.c_int64),
+        ("ve_sh", ctypes.c_int64)]]
 
 
 class _Args(ctypes.Structure):
@@ -51,7 +52,8 @@ class _Args(ctypes.Structure):
                 ("s", ctypes.c_float), ("s64", ctypes.c_double), ("q", ctypes.c_void_p), ("qpos", ctypes.c_void_p), ("bands", ctypes.c_void_p),
                 ("W", ctypes.c_int64), ("band_margin", ctypes.c_double), ("e_coef", ctypes.c_double), ("lut", ctypes.c_void_p), ("seg", _Seg * 2), ("out", ctypes.c_void_p), ("stats", ctypes.c_void_p),
                 ("kmax", ctypes.c_void_p), ("nanflag", ctypes.c_void_p), ("certify", ctypes.c_int),
-                ("threads", ctypes.c_int), ("chunk", ctypes.c_int64), ("dF", ctypes.c_double), ("dstats", ctypes.c_void_p)]
+                ("threads", ctypes.c_int), ("chunk", ctypes.c_int64), ("dF", ctypes.c_double), ("dstats", ctypes.c_void_p),
+                ("vstats", ctypes.c_void_p), ("vmax", ctypes.c_void_p), ("vctr", ctypes.c_void_p), ("v_margin", ctypes.c_double)]
 
 
 class _EpiConst(ctypes.Structure):

@@ -219,13 +219,10 @@ class CertifiedCache(Cache):
 
 
 class FusedCertifiedCache(CertifiedCache):
-    """CertifiedCache (backend="auto": its reads go through fast.core.cpu_fused where the kernel
-    applies), with value_bound=True refused: the fused read reports no output bound."""
+    """CertifiedCache with backend="auto" (its reads go through fast.core.cpu_fused where the kernel applies): kept
+    for older code."""
 
     def __init__(self, config, scheme="int8", **kwargs):
-        if kwargs.get("value_bound"):
-            raise ValueError("FusedCertifiedCache: value_bound=True is not supported (the fused read computes "
-                             "no output bound out_err); use CertifiedCache(..., value_bound=True)")
         if kwargs.get("backend", "auto") != "auto":
             raise ValueError("FusedCertifiedCache: backend is 'auto'; use CertifiedCache(..., backend='torch')")
         super().__init__(config, scheme, **kwargs)

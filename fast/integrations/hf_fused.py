@@ -7,8 +7,7 @@ sends a layer's reads here whenever FusedLayer.fused_ok):
     cache = fast.CertifiedCache(model.config, "int8")         # reads through the kernel
     model.generate(ids, past_key_values=cache)
 
-hf_cache.FusedCertifiedCache is the same class with value_bound=True refused (kept for older code),
-and "kvcert_fused" another name of the meter.
+hf_cache.FusedCertifiedCache is the same class (kept for older code), and "kvcert_fused" another name of the meter.
 
 What changes against CertifiedCache + the "kvcert" meter (fast.integrations.hf_meter):
 - update() does not rebuild the served fp32 [B, Hkv, N, D] tensors (CertifiedLayer.served): the
@@ -32,8 +31,10 @@ What changes against CertifiedCache + the "kvcert" meter (fast.integrations.hf_m
   the kernel as the meter's gate serves them: repaired heads (offload "full") from the exact copy (c = 0), ladder
   rungs and residual repairs as fp32 rows decoded by the twin with their own witness (_read_heads).
 - Shadow mode: the layer's certificate at once too (_gated), and the record's true_tv from the exact copy (_true_tv).
+- value_bound: the kernel's output-bound sums (cpu_fused._run(value=...): sum w e, max e, max radius, max |v~|) and the
+  certificate give out_err (_out_err, attention.output_error_from_sums, the twin's formula), at once (_gated).
 Falls back to the torch twin (hf_meter's decode_step / rows_step, the served fp32 copy), certified
-the same way, where the kernel does not apply: value or box bounds, the subspace witness, non-fp32 models. The first
+the same way, where the kernel does not apply: the box form, the subspace witness, non-fp32 models. The first
 prefill reads the exact states with sdpa, as everywhere.
 """
 
@@ -89,7 +90,7 @@ class FusedLayer(CertifiedLayer):
 
     def fused_ok(self):
         """A layout the kernel reads in place (FUSED_LAYOUTS: int8, int4, fp8, kivi2, prerope, dithered int8 / int4), any
-        gate and offload (_gated), shadow or not, no value bound, box form or subspace witness, certified or
+        gate and offload (_gated), shadow or not, value bound or not, no box form or subspace witness, certified or
         certify=False, fp32 on CPU, kernel built. Fixed for the layer's life: computed once (it is asked
         twice per layer and step)."""
         ok = getattr(self, "_fused_ok", None)
@@ -98,7 +99,7 @@ class FusedLayer(CertifiedLayer):
                 return False
             c = self.cache
             ok = self._fused_ok = (c.scheme.layout in FUSED_LAYOUTS
-                                   and not c.value_bound and not c.box_form and not c.subspace
+                                   and not c.box_form and not c.subspace
                                    and self.dtype == torch.float32 and self.device.type == "cpu"
                                    and cpu_fused.available())
         return ok
@@ -143,7 +144,8 @@ class FusedLayer(CertifiedLayer):
                     from fast.core.witness import witness_from_step
                     rho = witness_from_step(self.kq.step(), self.cache.bands)
                 s0 = cpu_fused.seg(Hkv, nq, **_codes(self.cache.scheme.layout, self.kq, self.vq),
-                                   rho=rho if self.cache.certify else None, valid=vq0)
+                                   rho=rho if self.cache.certify else None, valid=vq0,
+                                   v_err=self.v_err if self.cache.value_bound and self.cache.certify else None)
                 ng = s0["ng"]
             else:
                 s0, ng = cpu_fused.seg(Hkv, 0), (1, 1)
@@ -226,10 +228,14 @@ def fused_read(layer, query, scale):
     segs, (ngk, ngv) = layer.segments()
     lut = log_table32() if layer.rho_codes is not None and not layer.derived else None
     F = _dither_factor(layer, n, T) if cache.scheme.dither and cache.certify and layer.nq else None
-    out, stats, *dstats = cpu_fused._run(q, qpos, segs, float(scale), _bands(cache), ngk, ngv, cache.certify, lut, dither_F=F)
+    value = _centre(layer) if cache.value_bound and cache.certify else None
+    out, stats, *more = cpu_fused._run(q, qpos, segs, float(scale), _bands(cache), ngk, ngv, cache.certify, lut, dither_F=F,
+                                       value=value)
+    vres = more.pop() if value is not None else None
+    dstats = more
     cache.fused_reads += 1
-    if cache.certify and (cache.gate.kind != "none" or cache.shadow):
-        _gated(layer, q, qpos, float(scale), out, stats, dstats[0] if dstats else None)
+    if cache.certify and (cache.gate.kind != "none" or cache.shadow or cache.value_bound):
+        _gated(layer, q, qpos, float(scale), out, stats, dstats[0] if dstats else None, vres)
     elif cache.certify:
         cache._pending.append((layer, stats, n, q, dstats[0] if dstats else None))
         if layer.layer_idx == cache.num_layers - 1:
@@ -237,7 +243,7 @@ def fused_read(layer, query, scale):
     return out.to(query.dtype)
 
 
-def _gated(layer, q, qpos, scale, out, stats, dstats):
+def _gated(layer, q, qpos, scale, out, stats, dstats, vres=None):
     """The gate on a fused read (certified:TAU, ladder:TAU, risk:K; offload "full" or "residual"), as hf_meter._gated
     serves it: the layer's certificate at once (not in the step's batched epilogue: the gate needs it before the next
     layer reads); the KV heads off the scheme's codes (a rung up, repaired) are read again as they are served (the
@@ -246,10 +252,13 @@ def _gated(layer, q, qpos, scale, out, stats, dstats):
     ladder: one rung up; certified: exact) and read again the same way, until none is (at most len(rungs) + 1
     rounds, as the meter's loop). A KV head's certificate depends on its own keys only, so the heads not promoted
     keep theirs. The record's pre_min is the certificate before this read's promotions, fresh_repairs their number.
-    Shadow mode comes here too (no gate: no promotion). out (the kernel's [B, T, H, D]) is overwritten in place for
-    the heads read again."""
+    Shadow mode and the value bound come here too (no gate: no promotion); vres: the read's output-bound sums
+    (cpu_fused._run(value=...)), replaced for the heads read again, make cert["out_err"] from the final certificate.
+    out (the kernel's [B, T, H, D]) is overwritten in place for the heads read again."""
     cache, N, Hkv = layer.cache, layer.n, layer.Hkv
     cert = _layer_cert(layer, stats, q, N)
+    if vres is not None:  # the sums the output bound takes: Z from the kernel's stats, the value witness's from vres
+        cert["_vsum"] = (stats[..., 0].clone(), *[t.clone() for t in vres])
     _read_heads(layer, q, qpos, scale, out, cert, layer.off_base().nonzero().flatten().tolist())
     pre, fresh = cert["min"], 0
     while cache.gate.thresholded:  # each KV head's worst row, batch entry and query head
@@ -265,18 +274,46 @@ def _gated(layer, q, qpos, scale, out, stats, dstats):
         dcert = None if dstats is None else _certificate_or_none(layer, dstats, N)
         est = _dither_estimate(cert["min"], None if dcert is None else dcert["min"], dstats is not None)
         cert["dither_estimate"] = hf_meter._repaired_take_cert(est, cert["min"], layer.off_base())
+    if vres is not None:
+        cert["out_err"] = _out_err(layer, cert.pop("_vsum"), cert["min"])
     if cache.shadow:
-        cert["true_tv"] = _true_tv(layer, q, qpos, scale)
+        cert["true_tv"], o_true = _true_tv(layer, q, qpos, scale)
+        if vres is not None:
+            cert["true_out_err"] = (o_true - out.double()).norm(dim=-1).float()
     T = q.shape[1]
     if T == 1:  # a decode record holds [B, H] tensors
         cert, pre = {k: v[:, 0] for k, v in cert.items()}, pre[:, 0]
     _record(layer, cert, N, T, pre, fresh)
 
 
+def _centre(layer):
+    """[B, Hkv, D] fp32: the centre of the value witness's radii (output bound, T5b: any centre is sound): the mean of
+    the values the layer served at its first value-bound read (CertifiedLayer.served), kept for the layer's life."""
+    c = layer.__dict__.get("_vctr")
+    if c is None or c.shape[0] != layer.B:
+        c = layer._vctr = CertifiedLayer.served(layer)[1].float().mean(2).contiguous()
+        if not bool(torch.isfinite(c).all()):
+            c = layer._vctr = torch.zeros_like(c)
+    return c
+
+
+def _out_err(layer, vsum, tv):
+    """cert["out_err"] [B, T, H] from the read's sums (Z, vstats [B, T, H, 3], vmax [B, Hkv, D]) and the certificate
+    tv: fast.core.attention.output_error_from_sums, vnorm >= ||vmax|| as the twin's value_info (band_norms_up's margin
+    on fp64 squares, one ulp up)."""
+    from fast.core.attention import output_error_from_sums
+    from fast.core.certify import gamma, up64
+    Z, vst, vmax = vsum
+    G = tv.shape[-1] // layer.Hkv
+    v64 = vmax.double()
+    vnorm = up64(torch.sqrt((v64 * v64).sum(-1)) * (1 + 2 * gamma(layer.D + 4))).repeat_interleave(G, dim=1)  # [B, H]
+    return output_error_from_sums(vst[..., 0], Z, vst[..., 2], vst[..., 1], vnorm[:, None, :], tv, layer.n, layer.D)
+
+
 def _true_tv(layer, q, qpos, scale):
     """Shadow mode: [B, T, H] TV between the softmax over the exact copy and over the keys served (repaired heads: the
     exact copy), fp64, each row over its causal prefix, as hf_meter's shadow record (the served keys dequantized by the
-    twin: CertifiedLayer.served)."""
+    twin: CertifiedLayer.served); and [B, T, H, D] the exact output (exact keys and values), fp64."""
     B, T, H, D = q.shape
     Hkv, N = layer.Hkv, layer.n
     vis = torch.arange(N)[None, :] <= qpos[0].long()[:, None]  # [T, N]
@@ -284,7 +321,8 @@ def _true_tv(layer, q, qpos, scale):
     qf = q.permute(0, 2, 1, 3).reshape(B, H * T, D)  # row (h, t) -> h T + t, as hf_meter.rows_step
     p_tilde = hf_meter.row_probs(qf, CertifiedLayer.served(layer)[0], scale, m)
     p = hf_meter.row_probs(qf, layer.exact_k, scale, m)
-    return (0.5 * (p - p_tilde).abs().sum(-1)).float().view(B, H, T).transpose(1, 2)
+    o = hf_meter.exact_output(p, layer.exact_v, Hkv).view(B, H, T, D).transpose(1, 2)
+    return (0.5 * (p - p_tilde).abs().sum(-1)).float().view(B, H, T).transpose(1, 2), o
 
 
 def _certificate_or_none(layer, stats, N):
@@ -314,10 +352,12 @@ def _read_heads(layer, q, qpos, scale, out, cert, heads):
     if rest:
         k, v = CertifiedLayer.served(layer)
         rho, ex = layer.witness_codes()
+        ve = layer.value_err_view()  # None without value_bound; 0 at exact tokens
         u8 = torch.uint8
         lut = log_table32() if rho.dtype == u8 else None
         segs = lambda h0, h1: [cpu_fused.seg(h1 - h0, N, k=k[:, h0:h1], v=v[:, h0:h1], rho=rho[:, h0:h1],  # witness: segment 0
-                                             valid=layer.valid[:, h0:h1].view(u8), exact=ex[:, h0:h1].view(u8)),
+                                             valid=layer.valid[:, h0:h1].view(u8), exact=ex[:, h0:h1].view(u8),
+                                             v_err=None if ve is None else ve[:, h0:h1].contiguous()),
                                cpu_fused.seg(h1 - h0, 0)]
         _read_runs(layer, q, qpos, scale, out, cert, rest, segs, lut)
 
@@ -331,11 +371,16 @@ def _read_runs(layer, q, qpos, scale, out, cert, heads, segs, lut):
             runs[-1][1] = h + 1
         else:
             runs.append([h, h + 1])
+    vsum = cert.get("_vsum")
     for h0, h1 in runs:
         hs = slice(h0 * G, h1 * G)
         qs = q[:, :, hs].contiguous()
-        o, st = cpu_fused._run(qs, qpos, segs(h0, h1), scale, _bands(layer.cache), 1, 1, True, lut)
+        value = None if vsum is None else _centre(layer)[:, h0:h1].contiguous()
+        o, st, *vres = cpu_fused._run(qs, qpos, segs(h0, h1), scale, _bands(layer.cache), 1, 1, True, lut, value=value)
         out[:, :, hs] = o
+        if vsum is not None:  # the output bound's sums of these heads as now served
+            (vst, vmax), = vres
+            vsum[0][:, :, hs], vsum[1][:, :, hs], vsum[2][:, h0:h1] = st[..., 0], vst, vmax
         c = _certificate_or_none(layer, st, layer.n)
         if c is None:  # the twin's certificate of the layer as now served (these heads as served)
             c = {k: v[:, :, hs] for k, v in _twin_cert(layer, q, layer.n).items()}
@@ -456,7 +501,7 @@ def _record(layer, cert, N, T, pre=None, fresh=0):
     pre = cert["min"] if pre is None else pre
     repaired, rung = _snapshot(layer)
     rec = {"layer": layer.layer_idx, "repaired": repaired, "rung": rung, "fresh_repairs": fresh}
-    forms = {f: cert[f].float() for f in (*FORMS, "dither_estimate", "true_tv") if f in cert}
+    forms = {f: cert[f].float() for f in (*FORMS, "dither_estimate", "true_tv", "out_err", "true_out_err") if f in cert}
     if T == 1:
         layer.steps += 1
         rec.update({"step": layer.steps, "pre_min": pre, "max_c": cert["max_c"].float()}, **forms)

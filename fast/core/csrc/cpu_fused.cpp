@@ -199,6 +199,9 @@ struct Seg {
     // (exact): a registered scheme's stored output (fast.core.schemes Fp16Stored), the twin's x.float() bit for bit.
     // The logit bound e takes the decoded rows' own max |k~| (as fp32 rows).
     int f16;
+    // the value witness (value_bound, segment 0): verr [.., N] fp32 >= ||v_j - v~_j|| per token (null: 0; tokens flagged
+    // exact: 0), for the output bound's sums (Args: vstats)
+    const float* verr; int64_t ve_sb, ve_sh;
 };
 
 // element offset of token j's row (length len) in an array of the segment with strides (sb, sh)
@@ -233,6 +236,15 @@ struct Args {
     // (dither_radius_row) in place of the witness bound c (exact tokens: 0)
     double dF;
     double* dstats;
+    // the output bound's sums (fast.core.attention.output_error_bound, math.md T5), when vstats is not null:
+    // vstats [B, T, H, 3] = (sum_j w_j e_j in fp64, max e_j, max r_j) over the tokens each row reads, e_j the
+    // segment's verr (0 in segment 1 and at exact tokens), r_j >= ||v~_j - vctr|| (fp64 squares of fp64 differences,
+    // times v_margin >= 1 + 2 gamma_{D+4} (u64) (1 + 2^-50), one ulp up); vmax [B, Hkv, D] the per-channel max |v~|
+    // over every token of both segments; vctr [B, Hkv, D] fp32 the centre (null: 0)
+    double* vstats;
+    float* vmax;
+    const float* vctr;
+    double v_margin;
 };
 
 inline int64_t tok_pos(const Seg& sg, int64_t b, int64_t h, int64_t j, int64_t pos0) {
@@ -647,6 +659,12 @@ __attribute__((always_inline)) inline const float* seg_row(const Seg& sg, bool v
     return buf;
 }
 
+// Token j's value row of a read (segment 0 for j < its n, else segment 1) as fp32, in buf or in place (seg_row).
+__attribute__((always_inline)) inline const float* value_row(const Args& a, int64_t b, int64_t h, int64_t j, float* buf) {
+    const int64_t N0 = a.seg[0].n;
+    return j < N0 ? seg_row(a.seg[0], true, b, h, j, a.D, a.ngv, buf, nullptr) : seg_row(a.seg[1], true, b, h, j - N0, a.D, 1, buf, nullptr);
+}
+
 // kappa_b >= s ||q_b|| for n query rows q [n, D] and the NB bands [NB, W] (coordinate indices), as
 // fast.core.certify.band_norms_up: squares exact in fp64, the W-term sum and sqrt within gamma_{W+4}, times
 // margin = 1 + 2 gamma_{W+4}, one ulp up; times s, one ulp up; at least 2^-60 (k64 [n, NB]); cast to fp32
@@ -873,6 +891,14 @@ void run(const Args& a) {
     double* K64 = k64_buf.data();
     // the dither radius' per-row sums over each key scale group: sq_g = sum q_i^2, ab_g = sum |q_i| (dither_sums)
     // (asymmetric keys: a step per channel, so D groups of one channel)
+    static thread_local std::vector<double> pvst;
+    static thread_local std::vector<float> pvmax;
+    if (a.vstats) {
+        pvst.resize((size_t)(items * R * 3));
+        pvmax.resize((size_t)(items * D));
+    }
+    double* PV = pvst.data();
+    float* PVM = pvmax.data();
     static thread_local std::vector<double> dcoef, psum2;
     const int64_t dng = a.seg[0].kasym ? D : a.ngk;
     if (a.dstats) {
@@ -1162,6 +1188,33 @@ void run(const Args& a) {
                 dither_sums(a.seg[0], lg + r * N + j0, okr + r * N, cbuf.data(), b, h, j0, jq, PSUM2 + (it * R + r) * 3);
             }
         }
+        if (a.vstats) {  // the output bound's sums: each token's value row decoded again (only with value_bound)
+            double* pv = PV + it * R * 3;
+            float* vm = PVM + it * D;
+            std::fill(pv, pv + R * 3, 0.0);
+            std::fill(vm, vm + D, 0.0f);
+            const float* ctr = a.vctr ? a.vctr + (b * Hkv + h) * D : nullptr;
+            float vf2[512];
+            const Seg& s0 = a.seg[0];
+            for (int64_t j = j0; j < j1; ++j) {
+                const float* vr = value_row(a, b, h, j, vf2);
+                double ss = 0.0;
+                for (int64_t d = 0; d < D; ++d) {
+                    vm[d] = std::max(vm[d], std::fabs(vr[d]));
+                    const double x = (double)vr[d] - (ctr ? (double)ctr[d] : 0.0);
+                    ss += x * x;
+                }
+                const double rad = up(std::sqrt(ss) * a.v_margin);
+                const bool ex = j >= N0 || !s0.verr || (s0.exact && s0.exact[b * s0.ex_sb + h * s0.ex_sh + j]);
+                const double e = ex ? 0.0 : (double)s0.verr[b * s0.ve_sb + h * s0.ve_sh + j];
+                for (int64_t r = 0; r < R; ++r) {
+                    if (!okr[r * N + (j - j0)]) continue;
+                    pv[r * 3] += (double)lg[r * N + j] * e;  // an fp32 product, exact in fp64
+                    pv[r * 3 + 1] = std::max(pv[r * 3 + 1], e);
+                    pv[r * 3 + 2] = std::max(pv[r * 3 + 2], rad);
+                }
+            }
+        }
         // output: o_r += w_rj v~_j (v~ = code * scale, exact in fp32)
         float* po = POUT + it * R * D;
         std::fill(po, po + R * D, 0.0f);
@@ -1174,12 +1227,7 @@ void run(const Args& a) {
         vrow.resize((size_t)L);
         float* VB = vbuf.data();
         const float** VR = vrow.data();
-        for (int64_t j = j0; j < j1; ++j) {
-            const bool quant = j < N0;
-            const Seg& sg = a.seg[quant ? 0 : 1];
-            const int64_t jj = quant ? j : j - N0;
-            VR[j - j0] = seg_row(sg, true, b, h, jj, D, quant ? a.ngv : 1, VB + (j - j0) * D, nullptr);
-        }
+        for (int64_t j = j0; j < j1; ++j) VR[j - j0] = value_row(a, b, h, j, VB + (j - j0) * D);
         for (int64_t r = 0; r < R; ++r) {
             const float* wr = lg + r * N + j0;
             for (int64_t d0 = 0; d0 < D; d0 += 64) {
@@ -1203,10 +1251,7 @@ void run(const Args& a) {
 #else
         float vf[512];
         for (int64_t j = j0; j < j1; ++j) {
-            const bool quant = j < N0;
-            const Seg& sg = a.seg[quant ? 0 : 1];
-            const int64_t jj = quant ? j : j - N0;
-            const float* vr = seg_row(sg, true, b, h, jj, D, quant ? a.ngv : 1, vf, nullptr);
+            const float* vr = value_row(a, b, h, j, vf);
             for (int64_t r = 0; r < R; ++r) {
                 const float w = lg[r * N + j];
                 if (w == 0.0f) continue;
@@ -1264,6 +1309,15 @@ void run(const Args& a) {
                 // + (2.03 D s + 1) 2^-150: products below the normal range round with an absolute error
                 // (proofs/FloatDot.v logit_rounding_le_code_f32, spec T8e; 2.03 > 2.02 pays for this line's fp64 roundings)
                 st[4] = up(a.s64 * qk * a.e_coef + (2.03 * (double)D * a.s64 + 1.0) * 0x1p-150);
+                if (a.vstats) {
+                    double vs = 0.0, em = 0.0, rm = 0.0;
+                    for (int64_t c = 0; c < nch; ++c) {
+                        const double* pv = PV + (((b * Hkv + h) * nch + c) * R + r) * 3;
+                        vs += pv[0]; em = std::max(em, pv[1]); rm = std::max(rm, pv[2]);
+                    }
+                    double* vo = a.vstats + ((b * T + t) * H + hq) * 3;
+                    vo[0] = vs; vo[1] = em; vo[2] = rm;
+                }
                 if (a.dstats) {
                     double d1 = 0.0, d2 = 0.0, dm = 0.0;
                     for (int64_t c = 0; c < nch; ++c) {
@@ -1276,6 +1330,13 @@ void run(const Args& a) {
             }
         }
     }
+    if (a.vstats && a.vmax)
+        for (int64_t bh = 0; bh < B * Hkv; ++bh)
+            for (int64_t d = 0; d < D; ++d) {
+                float m = 0.0f;
+                for (int64_t c = 0; c < nch; ++c) m = std::max(m, PVM[(bh * nch + c) * D + d]);
+                a.vmax[bh * D + d] = m;
+            }
     a.nanflag[0] = nan_all;
     a.nanflag[1] = nan_out;
 }
@@ -1357,7 +1418,7 @@ int epilogue(const double* st, int64_t rows, const EpiConst& k, float* out) {
 
 extern "C" {
 
-int kvcert_fused_abi() { return 6; }
+int kvcert_fused_abi() { return 7; }
 
 int kvcert_fused_avx2() { return KVCERT_AVX2; }
 
