@@ -137,7 +137,7 @@ def run_cell(model, pre, spec, steps, pages, clustered, sketches=()):
     for t in range(steps):                       # greedy decoding, as fast.policies.evictors.decode does
         valid_now = torch.cat([valid_now, torch.ones(valid_now.shape[0], 1, dtype=torch.bool)], 1)
         sh.valid_now = valid_now
-        with torch.no_grad(), collecting(model, Collector(on_decode=sh)):
+        with torch.no_grad(), collecting(model, Collector(on_decode=sh, cache=mine.cache)):
             out = model(input_ids=tok[:, None], attention_mask=valid_now.long(), position_ids=next_pos[:, None],
                         past_key_values=mine.cache, use_cache=True)
         next_pos = next_pos + 1

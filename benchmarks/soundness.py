@@ -176,7 +176,7 @@ def run_evict(model, ids, spec, steps, args):
     for _ in range(steps):                                     # greedy decoding, as evictors.decode does
         valid_now = torch.cat([valid_now, torch.ones(valid_now.shape[0], 1, dtype=torch.bool)], 1)
         shadow.cert.valid_now = valid_now
-        with torch.no_grad(), collecting(model, Collector(on_decode=shadow)):
+        with torch.no_grad(), collecting(model, Collector(on_decode=shadow, cache=cache)):
             out = model(input_ids=tok[:, None], attention_mask=valid_now.long(), position_ids=next_pos[:, None],
                         past_key_values=cache, use_cache=True)
         next_pos, tok = next_pos + 1, out.logits[:, -1].argmax(-1)
