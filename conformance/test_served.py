@@ -125,9 +125,8 @@ def test_fused_certificate_covers_served_weights():
 
 def test_fused_out_err_covers_subnormal_values():
     """Counterexample 1 through the fused C++ read (value_bound's sums, cpu_fused._run(value=...), to the twin's
-    formula as hf_fused._out_err takes them): its ||o - out|| is covered, and the bound is not vacuous."""
-    from fast.core.attention import output_error_from_sums
-    from fast.core.certify import gamma, up64
+    formula: attention.output_error_from_kernel, as hf_fused takes them): its ||o - out|| is covered, and the bound is not vacuous."""
+    from fast.core.attention import output_error_from_kernel
     q, k, v, rho, v_err = subnormal_case()
     N, D, s = k.shape[2], k.shape[3], 0.125
     b64 = fast.rope_bands(64, 1).to(torch.int64).contiguous()
@@ -135,9 +134,7 @@ def test_fused_out_err_covers_subnormal_values():
     out, st, (vst, vmax) = cpu_fused._run(q[:, None].contiguous(), torch.tensor([[N - 1]], dtype=torch.int32), segs, s,
                                           b64, 1, 1, True, value=0)
     cert = cpu_fused._certificate(st, 1, N, D)
-    v64 = vmax.double()
-    vnorm = up64(torch.sqrt((v64 * v64).sum(-1)) * (1 + 2 * gamma(D + 4)))
-    oe = output_error_from_sums(vst[..., 0], st[..., 0], vst[..., 2], vst[..., 1], vnorm[:, None], cert["min"], N, D)
+    oe = output_error_from_kernel(st[..., 0], vst, vmax, cert["min"], N, D)
     true = dist(exact_output(q[0, 0], k[0, 0], v[0, 0], s), out[0, 0, 0])
     assert true > mpf("1e-42")  # the subnormal products really lost mass
     assert true <= mpf(float(oe[0, 0, 0])), f"||o - out|| = {true} > out_err {float(oe[0, 0, 0])}"

@@ -1136,14 +1136,13 @@ def test_fp16_rows_read_as_the_twins_decoded_rows(seed, B, T, Hkv, G, N, D, cert
        G=st.integers(1, 3), N0=st.integers(1, 40), N1=st.integers(0, 9), scheme=st.sampled_from(["int8", "int4"]),
        vscale=st.floats(-4, 3), centre=st.sampled_from(["mean", "zero", "far"]), mag=st.sampled_from([0.3, 3.0, 30.0]))
 def test_output_bound_from_the_kernel_sums_holds_against_exact_values(seed, B, T, Hkv, G, N0, N1, scheme, vscale, centre, mag):
-    """The fused read's output bound (_run(value=...) sums -> attention.output_error_from_sums, as hf_fused._out_err):
+    """The fused read's output bound (_run(value=...) sums -> attention.output_error_from_kernel, as hf_fused takes it):
     ||o - out|| <= out_err per (row, query head), o the fp64 attention over the exact keys and values the test made
     (never touched by the kernel), out the kernel's output over quantized keys and values (segment 0) and exact rows
     (segment 1), causal rows; any centre (the radii's) is sound. The sums themselves: max e_j and the per-channel
     max |v~| exactly, the radii's max within its rounding of the exact one, sum w e / sum w between the readable
     tokens' smallest and largest e."""
-    from fast.core.attention import output_error_from_sums
-    from fast.core.certify import gamma, up64
+    from fast.core.attention import output_error_from_kernel
     from fast.integrations.hf_layer import value_error_norms
     g = torch.Generator().manual_seed(seed)
     D, NB, H, N = 64, 8, Hkv * G, N0 + N1
@@ -1167,9 +1166,7 @@ def test_output_bound_from_the_kernel_sums_holds_against_exact_values(seed, B, T
     out, st, (vst, vmax) = cpu_fused._run(q, qpos, segs, s, b64, ngk, ngv, True, lut, value=c.contiguous())
     cert = cpu_fused._certificate(st, NB, N, D)  # None: the epilogue needs fp64 terms (a huge witness): TV <= 1
     tv = torch.ones(B, T, H) if cert is None else cert["min"]
-    v64 = vmax.double()
-    vnorm = up64(torch.sqrt((v64 * v64).sum(-1)) * (1 + 2 * gamma(D + 4))).repeat_interleave(G, dim=1)
-    bound = output_error_from_sums(vst[..., 0], st[..., 0], vst[..., 2], vst[..., 1], vnorm[:, None], tv, N, D)
+    bound = output_error_from_kernel(st[..., 0], vst, vmax, tv, N, D)
     # the truth: exact keys and values, fp64, row t of query head h reads tokens <= its position
     kk, vv = k.double().repeat_interleave(G, 1), v.double().repeat_interleave(G, 1)  # [B, H, N, D]
     x = torch.einsum("bthd,bhnd->bthn", q.double(), kk) * s

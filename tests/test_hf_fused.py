@@ -163,8 +163,8 @@ def test_gated_decode_matches_meter(monkeypatch, scheme, gate, kv_heads, hook, o
 @pytest.mark.parametrize("scheme,gate,offload", [("int8", "none", "full"), ("kivi2", "none", "full"),
                                                  ("int4", "ladder:0.39", "full"), ("int4", "certified:0.39", "residual")])
 def test_value_bound_matches_meter(monkeypatch, scheme, gate, offload):
-    """value_bound=True on the fused read (the output bound from the kernel's sums, hf_fused._out_err) against the
-    meter's twin: the same logits and promotions, out_err within a few percent of the twin's (the radii's centre is the
+    """value_bound=True on the fused read (the output bound from the kernel's sums: attention.output_error_from_kernel)
+    against the meter's twin: the same logits and promotions, out_err within a few percent of the twin's (the radii's centre is the
     layer's first served mean, not each read's: either is sound), and >= the true ||o - out|| of shadow mode."""
     monkeypatch.setattr(hf_fused, "FLUSH_BLOCK", 1)
     ids = tiny_ids(B=2, N=70)

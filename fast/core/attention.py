@@ -213,9 +213,13 @@ def value_info(v, v_err):
     centre = vd.mean(2, keepdim=True)
     one_band = torch.arange(D, device=vd.device).unsqueeze(0)
     rad = band_norms_up(vd.to(torch.float64) - centre.to(torch.float64), one_band)[..., 0]
-    vmax = max_abs(v)
-    vnorm = up64(torch.sqrt((vmax * vmax).sum(-1)) * (1 + 2 * gamma(D + 4)))
-    return {"err": v_err.to(torch.float64), "rad": rad, "vnorm": vnorm}
+    return {"err": v_err.to(torch.float64), "rad": rad, "vnorm": value_norm_up(max_abs(v))}
+
+
+def value_norm_up(vmax):
+    """[...] fp64 >= ||vmax|| over the last axis (D channels): fp64 squares, band_norms_up's margin, one ulp up."""
+    v = vmax.to(torch.float64)
+    return up64(torch.sqrt((v * v).sum(-1)) * (1 + 2 * gamma(v.shape[-1] + 4)))
 
 
 def output_error_bound(w, valid, vinfo, tv, N, D, scaled=False):
@@ -254,6 +258,14 @@ def output_error_bound(w, valid, vinfo, tv, N, D, scaled=False):
     rmax = torch.where(vis, vinfo["rad"].unsqueeze(2), 0.0).amax(-1).expand(B, Hkv, G).reshape(B, H)
     emax = torch.where(vis, err.unsqueeze(2), 0.0).amax(-1).expand(B, Hkv, G).reshape(B, H)
     return output_error_from_sums(S, Z, rmax, emax, vinfo["vnorm"].repeat_interleave(G, dim=1), tv, N, D, scaled)
+
+
+def output_error_from_kernel(Z, vstats, vmax, tv, N, D):
+    """out_err [B, T, H] of a fused C++ read (fast.core.cpu_fused._run(value=...)): Z [B, T, H] its stats' weight sums,
+    vstats [B, T, H, 3] (sum w e, max e, max radius), vmax [B, Hkv, D], tv [B, T, H] its certificate."""
+    G = tv.shape[-1] // vmax.shape[1]
+    vnorm = value_norm_up(vmax).repeat_interleave(G, dim=1)[:, None, :]  # [B, 1, H]
+    return output_error_from_sums(vstats[..., 0], Z, vstats[..., 2], vstats[..., 1], vnorm, tv, N, D)
 
 
 def output_error_from_sums(S, Z, rmax, emax, vnorm, tv, N, D, scaled=False):

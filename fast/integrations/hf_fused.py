@@ -32,7 +32,7 @@ What changes against CertifiedCache + the "kvcert" meter (fast.integrations.hf_m
   rungs and residual repairs as fp32 rows decoded by the twin with their own witness (_read_heads).
 - Shadow mode: the layer's certificate at once too (_gated), and the record's true_tv from the exact copy (_true_tv).
 - value_bound: the kernel's output-bound sums (cpu_fused._run(value=...): sum w e, max e, max radius, max |v~|) and the
-  certificate give out_err (_out_err, attention.output_error_from_sums, the twin's formula), at once (_gated).
+  certificate give out_err (attention.output_error_from_kernel: the twin's formula), at once (_gated).
 Falls back to the torch twin (hf_meter's decode_step / rows_step, the served fp32 copy), certified
 the same way, where the kernel does not apply: the box form, the subspace witness, non-fp32 models. The first
 prefill reads the exact states with sdpa, as everywhere.
@@ -47,6 +47,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from fast.core import cpu_fused
 from fast.core.attention import attention_rows as twin_rows
+from fast.core.attention import output_error_from_kernel
 from fast.core.certify import FORMS, logit_rounding, with_other_logits
 from fast.core.dither import budget_local, radius_factor
 from fast.core.prerope import BLOCK as PRE_BLOCK
@@ -275,7 +276,8 @@ def _gated(layer, q, qpos, scale, out, stats, dstats, vres=None):
         est = _dither_estimate(cert["min"], None if dcert is None else dcert["min"], dstats is not None)
         cert["dither_estimate"] = hf_meter._repaired_take_cert(est, cert["min"], layer.off_base())
     if vres is not None:
-        cert["out_err"] = _out_err(layer, cert.pop("_vsum"), cert["min"])
+        Z, vst, vmax = cert.pop("_vsum")
+        cert["out_err"] = output_error_from_kernel(Z, vst, vmax, cert["min"], N, layer.D)
     if cache.shadow:
         cert["true_tv"], o_true = _true_tv(layer, q, qpos, scale)
         if vres is not None:
@@ -295,19 +297,6 @@ def _centre(layer):
         if not bool(torch.isfinite(c).all()):
             c = layer._vctr = torch.zeros_like(c)
     return c
-
-
-def _out_err(layer, vsum, tv):
-    """cert["out_err"] [B, T, H] from the read's sums (Z, vstats [B, T, H, 3], vmax [B, Hkv, D]) and the certificate
-    tv: fast.core.attention.output_error_from_sums, vnorm >= ||vmax|| as the twin's value_info (band_norms_up's margin
-    on fp64 squares, one ulp up)."""
-    from fast.core.attention import output_error_from_sums
-    from fast.core.certify import gamma, up64
-    Z, vst, vmax = vsum
-    G = tv.shape[-1] // layer.Hkv
-    v64 = vmax.double()
-    vnorm = up64(torch.sqrt((v64 * v64).sum(-1)) * (1 + 2 * gamma(layer.D + 4))).repeat_interleave(G, dim=1)  # [B, H]
-    return output_error_from_sums(vst[..., 0], Z, vst[..., 2], vst[..., 1], vnorm[:, None, :], tv, layer.n, layer.D)
 
 
 def _true_tv(layer, q, qpos, scale):
