@@ -374,7 +374,7 @@ def test_vector_paths_same_bits_as_scalar(case):
     tokens zeroed), the 8-lane
     sums and the register accumulators of pass 2 run the scalar code's operations in its order: output and stats equal bit for bit, on two segments
     (int8 codes with packed witness + fp32 tail with positions), token counts off the block size,
-    D beyond one 64-channel block, holes in the valid mask, T causal rows."""
+    D beyond one 64-channel block, holes in the valid mask (NaN value scales there: never read), T causal rows."""
     g = torch.Generator().manual_seed(case["seed"])
     B, T, Hkv, G, N0, N1, D = (case[x] for x in ("B", "T", "Hkv", "G", "N0", "N1", "D"))
     T = min(T, N1)  # every row reads a key: row 0 sits at or after the first fp32-tail token
@@ -388,7 +388,9 @@ def test_vector_paths_same_bits_as_scalar(case):
         rho[torch.rand(rho.shape, generator=g) < 0.1] = 0
     valid = torch.ones(B, Hkv, N0, dtype=torch.uint8)
     if case["holes"] and N0:
-        valid[..., torch.randperm(N0, generator=g)[: N0 // 3]] = 0
+        holes = torch.randperm(N0, generator=g)[: N0 // 3]
+        valid[..., holes] = 0
+        vq.scales[..., holes, :] = float("nan")  # a row skips the tokens it does not read (w = 0): their values too
     exact = None
     if case["exact"] and N0:  # tokens held exactly (c = 0) inside the 8-token blocks
         exact = (torch.rand(B, Hkv, N0, generator=g) < 0.3).to(torch.uint8)

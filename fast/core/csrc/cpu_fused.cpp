@@ -117,7 +117,11 @@ inline bool lut_is_grid(const float* lut) {
 }
 
 inline float half_to_float(uint16_t h) {
-    // exact IEEE binary16 -> binary32
+    // exact IEEE binary16 -> binary32 (F16C's conversion where the build has it: exact too, the same values; a
+    // signalling NaN comes back quiet, still a NaN)
+#if KVCERT_AVX2 && defined(__F16C__)
+    return _cvtsh_ss(h);
+#endif
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
     uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
     uint32_t bits;
@@ -203,6 +207,13 @@ struct Seg {
     // exact: 0), for the output bound's sums (Args: vstats)
     const float* verr; int64_t ve_sb, ve_sh;
 };
+
+// n / m for n >= 0, m >= 1: a shift when m is a power of two (the usual group widths and block sizes), else the
+// division; the same quotient either way. The row decoders run once per token: a 64-bit division there cost
+// more than the row's decode.
+inline int64_t quot(int64_t n, int64_t m) {
+    return (m & (m - 1)) == 0 ? n >> __builtin_ctzll((unsigned long long)m) : n / m;
+}
 
 // element offset of token j's row (length len) in an array of the segment with strides (sb, sh)
 inline int64_t row_off(const Seg& sg, int64_t sb, int64_t sh, int64_t b, int64_t h, int64_t j, int64_t len) {
@@ -312,10 +323,10 @@ inline const float* asym_row(const Seg& sg, bool values, int64_t b, int64_t h, i
     if (values) {
         sc = sg.vs + b * sg.vs_sb + h * sg.vs_sh + jj * ng;
         zc = sg.vz + b * sg.vz_sb + h * sg.vz_sh + jj * ng;
-        gw = D / ng;
+        gw = quot(D, ng);
     } else {
-        sc = sg.ks + b * sg.ks_sb + h * sg.ks_sh + (jj / sg.kblk) * D;
-        zc = sg.kz + b * sg.kz_sb + h * sg.kz_sh + (jj / sg.kblk) * D;
+        sc = sg.ks + b * sg.ks_sb + h * sg.ks_sh + quot(jj, sg.kblk) * D;
+        zc = sg.kz + b * sg.kz_sb + h * sg.kz_sh + quot(jj, sg.kblk) * D;
         gw = 1;
     }
     const bool rot = !values && sg.rcos;
@@ -357,8 +368,8 @@ inline const float* asym_row(const Seg& sg, bool values, int64_t b, int64_t h, i
     for (; d < D; ++d) {
         const int64_t bit = d * bits;
         const int c = (code[bit >> 3] >> (bit & 7)) & ((1 << bits) - 1);
-        const float p = ((float)c - u[d]) * half_to_float(sc[d / gw]);
-        x[d] = p + half_to_float(zc[d / gw]);
+        const float p = ((float)c - u[d]) * half_to_float(sc[quot(d, gw)]);
+        x[d] = p + half_to_float(zc[quot(d, gw)]);
     }
     if (rot) {
         const int64_t hd = D / 2;
@@ -571,7 +582,7 @@ inline const float* dither_row(const Seg& sg, bool values, int64_t b, int64_t h,
         const int8_t* code = (const int8_t*)base + row_off(sg, sb, sh, b, h, jj, D);
         for (int64_t d = 0; d < D; ++d) buf[d] = (float)code[d];
     }
-    const int64_t gw = D / ng;
+    const int64_t gw = quot(D, ng);
     for (int64_t g = 0; g < ng; ++g) {
         const float sv = half_to_float(sc[g]);
 #pragma omp simd
@@ -611,7 +622,7 @@ __attribute__((always_inline)) inline const float* seg_row(const Seg& sg, bool v
     if (sg.f16) return f16_row(sg, values, b, h, jj, D, buf, smax);
     if (sg.dith) return dither_row(sg, values, b, h, jj, D, ng, buf, smax);
     const uint16_t* sc = values ? sg.vs + row_off(sg, sg.vs_sb, sg.vs_sh, b, h, jj, ng) : sg.ks + row_off(sg, sg.ks_sb, sg.ks_sh, b, h, jj, ng);
-    const int64_t gw = D / ng;
+    const int64_t gw = quot(D, ng);
     if (sg.int4) {
         // packed 4-bit codes, two per byte: channel d is nibble d % 2 (0: low) of byte d / 2; k~ = (nibble - 8) * scale,
         // exact in fp32 (4-bit code, 11-bit fp16 scale): fast.core.quant.dequantize's value, bit for bit
@@ -664,6 +675,129 @@ __attribute__((always_inline)) inline const float* value_row(const Args& a, int6
     const int64_t N0 = a.seg[0].n;
     return j < N0 ? seg_row(a.seg[0], true, b, h, j, a.D, a.ngv, buf, nullptr) : seg_row(a.seg[1], true, b, h, j - N0, a.D, 1, buf, nullptr);
 }
+
+#if KVCERT_AVX2
+// lane l of the result: ((x_l0 + x_l1) + (x_l2 + x_l3)) + ((x_l4 + x_l5) + (x_l6 + x_l7)), x_lk lane k of acc[l] (the
+// scalar dot product's tree, for 8 tokens at once: hadd pairs, then the two 128-bit halves)
+inline __m256 tree_lanes(const __m256* acc) {
+    const __m256 h01 = _mm256_hadd_ps(acc[0], acc[1]), h23 = _mm256_hadd_ps(acc[2], acc[3]);
+    const __m256 h45 = _mm256_hadd_ps(acc[4], acc[5]), h67 = _mm256_hadd_ps(acc[6], acc[7]);
+    const __m256 h03 = _mm256_hadd_ps(h01, h23), h47 = _mm256_hadd_ps(h45, h67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(h03, h47, 0x20), _mm256_permute2f128_ps(h03, h47, 0x31));
+}
+
+// true when segment 0 holds symmetric int8 or int4 codes with scale groups of a multiple of 8 channels (the register
+// paths)
+inline bool int8_regs(const Seg& sg, int64_t ng, int64_t D) {
+    return sg.n && sg.coded && !sg.kasym && !sg.vasym && !sg.fp8 && !sg.f16 && !sg.dith && quot(D, ng) % 8 == 0;
+}
+
+// channels d .. d + 7 (d a multiple of 8) of a row of symmetric codes times the scale s8, as seg_row decodes them: int8
+// code * scale; int4 (nibble - 8) * scale, nibble 0 a NaN (all ones, or-ed in after the product, as seg_row)
+template <bool INT4>
+inline __m256 sym8(const uint8_t* row, int64_t d, __m256 s8) {
+    if (!INT4)
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(row + d)))), s8);
+    int32_t w;
+    std::memcpy(&w, row + d / 2, 4);
+    const __m256i nib = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                         _mm256_set1_epi32(15));
+    const __m256 x = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(nib, _mm256_set1_epi32(8))), s8);
+    return _mm256_or_ps(x, _mm256_castsi256_ps(_mm256_cmpeq_epi32(nib, _mm256_setzero_si256())));
+}
+
+// Pass 1 on 8 tokens [j, j + 8) of segment 0 (int8_regs) and NR query rows q [NR][D]: each token's key decoded in
+// registers (k~ = code * scale, exact, as seg_row) and dotted with the NR rows, lane l of row r's accumulator the fma
+// chain over d = l, l + 8, ... in order (the buffered loop's): written to ab[(r 8 + t) 8 + l] for the caller's tree.
+// gm[g]: the group's largest scale so far, as seg_row.
+template <int NR, bool INT4>
+inline void int8_dots8(const Seg& sg, int64_t b, int64_t h, int64_t j, int64_t D, int64_t ng, const float* q, float* ab, float* gm) {
+    const int64_t gw = quot(D, ng);
+    for (int t = 0; t < 8; ++t) {
+        const uint8_t* code = (const uint8_t*)sg.k + row_off(sg, sg.k_sb, sg.k_sh, b, h, j + t, INT4 ? D / 2 : D);
+        const uint16_t* sc = sg.ks + row_off(sg, sg.ks_sb, sg.ks_sh, b, h, j + t, ng);
+        __m256 acc[NR];
+        for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < ng; ++g) {
+            const float sv = half_to_float(sc[g]);
+            gm[g] = std::max(gm[g], sv);
+            const __m256 s8 = _mm256_set1_ps(sv);
+            for (int64_t d = g * gw; d < (g + 1) * gw; d += 8) {
+                const __m256 k = sym8<INT4>(code, d, s8);
+                for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d), k, acc[r]);
+            }
+        }
+        for (int r = 0; r < NR; ++r) _mm256_store_ps(ab + (r * 8 + t) * 8, acc[r]);
+    }
+}
+#endif
+
+#if KVCERT_AVX2
+// The output sums o_r += w_rj v~_j over tokens [j0, j1) of segment 0 when it holds symmetric int8 codes and D is a
+// multiple of 32: v~ = code * scale decoded in registers (exact in fp32, as seg_row), 32 channels at a time, used by
+// NR <= 3 rows at once (NR x 4 accumulators, kept in po between calls), each (row, channel) the same fma sequence in
+// token order as the buffered loop in run (a row skips w = 0 as it does): the same bits. lg: the (b, h) logits base
+// ([R][N] weights). Returns the first token it did not read (j0 when the segment holds anything else, or R > 8).
+template <int NR, bool ONE_SCALE, bool INT4>
+void int8_out_rows(const Seg& sg, int64_t b, int64_t h, int64_t j0, int64_t j1, int64_t D, int64_t ng, const float* lg,
+                   int64_t N, float* po) {
+    const int64_t gw = quot(D, ng);
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+        int64_t gi[4];  // the scale group of each 8 channels (ONE_SCALE: one group holds all 32)
+        for (int c = 0; c < 4; ++c) gi[c] = quot(d0 + 8 * c, gw);
+        __m256 acc[NR][4];
+        for (int r = 0; r < NR; ++r)
+            for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_loadu_ps(po + r * D + d0 + 8 * c);
+        for (int64_t j = j0; j < j1; ++j) {
+            const uint8_t* code = (const uint8_t*)sg.v + row_off(sg, sg.v_sb, sg.v_sh, b, h, j, INT4 ? D / 2 : D);
+            const uint16_t* sc = sg.vs + row_off(sg, sg.vs_sb, sg.vs_sh, b, h, j, ng);
+            float w[NR];
+            bool all = true;
+            for (int r = 0; r < NR; ++r) {
+                w[r] = lg[r * N + j];
+                all = all && w[r] != 0.0f;
+            }
+            const __m256 s1 = _mm256_set1_ps(half_to_float(sc[gi[0]]));
+            for (int c = 0; c < 4; ++c) {
+                const __m256 sv = ONE_SCALE ? s1 : _mm256_set1_ps(half_to_float(sc[gi[c]]));
+                const __m256 v = sym8<INT4>(code, d0 + 8 * c, sv);
+                for (int r = 0; r < NR; ++r)
+                    if (all || w[r] != 0.0f) acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(w[r]), v, acc[r][c]);
+            }
+        }
+        for (int r = 0; r < NR; ++r)
+            for (int c = 0; c < 4; ++c) _mm256_storeu_ps(po + r * D + d0 + 8 * c, acc[r][c]);
+    }
+}
+
+template <bool INT4>
+void out_rows(int64_t nr, bool one, const Seg& sg, int64_t b, int64_t h, int64_t j0, int64_t j1, int64_t D, int64_t ng,
+              const float* lg, int64_t N, float* po) {
+    if (one) {
+        if (nr == 3) int8_out_rows<3, true, INT4>(sg, b, h, j0, j1, D, ng, lg, N, po);
+        else if (nr == 2) int8_out_rows<2, true, INT4>(sg, b, h, j0, j1, D, ng, lg, N, po);
+        else int8_out_rows<1, true, INT4>(sg, b, h, j0, j1, D, ng, lg, N, po);
+    } else {
+        if (nr == 3) int8_out_rows<3, false, INT4>(sg, b, h, j0, j1, D, ng, lg, N, po);
+        else if (nr == 2) int8_out_rows<2, false, INT4>(sg, b, h, j0, j1, D, ng, lg, N, po);
+        else int8_out_rows<1, false, INT4>(sg, b, h, j0, j1, D, ng, lg, N, po);
+    }
+}
+
+int64_t int8_out(const Args& a, int64_t b, int64_t h, int64_t j0, int64_t j1, const float* lg, int64_t N, int64_t R, float* po) {
+    const Seg& sg = a.seg[0];
+    if (j1 <= j0 || !int8_regs(sg, a.ngv, a.D) || a.D % 32 || R > 8) return j0;  // many rows: the buffered loop decodes once
+    for (int64_t r0 = 0; r0 < R; r0 += 3) {
+        const int64_t nr = std::min<int64_t>(3, R - r0);
+        const float* l = lg + r0 * N;
+        float* p = po + r0 * a.D;
+        const bool one = quot(a.D, a.ngv) % 32 == 0;
+        if (sg.int4) out_rows<true>(nr, one, sg, b, h, j0, j1, a.D, a.ngv, l, N, p);
+        else out_rows<false>(nr, one, sg, b, h, j0, j1, a.D, a.ngv, l, N, p);
+    }
+    return j1;
+}
+#endif
 
 // kappa_b >= s ||q_b|| for n query rows q [n, D] and the NB bands [NB, W] (coordinate indices), as
 // fast.core.certify.band_norms_up: squares exact in fp64, the W-term sum and sqrt within gamma_{W+4}, times
@@ -985,6 +1119,40 @@ void run(const Args& a) {
             for (int64_t d = 0; d < D; ++d)
                 for (int l = 0; l < 8; ++l) km[D + d] = std::max(km[D + d], kmx[8 * d + l]);
         }
+        if (int8_regs(a.seg[0], a.ngk, D) && R <= 8) {
+            // symmetric int8 keys: each token's row decoded in registers and dotted with up to 4 rows at once
+            // (int8_dots8), then the tree of the loop below: the same bits, no decoded copy written
+            const Seg& sg = a.seg[0];
+            alignas(32) float ab[4 * 8 * 8];
+            for (; j + 8 <= std::min(j1, N0); j += 8) {
+                uint8_t vj[8];
+                int64_t pj[8];
+                block_flags(sg, b, h, j, vj, pj);
+                for (int64_t r0 = 0; r0 < R; r0 += 4) {
+                    const int64_t nr = std::min<int64_t>(4, R - r0);
+                    const float* q0 = &qr[r0 * D];
+                    if (sg.int4) {
+                        if (nr == 4) int8_dots8<4, true>(sg, b, h, j, D, a.ngk, q0, ab, gm);
+                        else if (nr == 3) int8_dots8<3, true>(sg, b, h, j, D, a.ngk, q0, ab, gm);
+                        else if (nr == 2) int8_dots8<2, true>(sg, b, h, j, D, a.ngk, q0, ab, gm);
+                        else int8_dots8<1, true>(sg, b, h, j, D, a.ngk, q0, ab, gm);
+                    } else {
+                        if (nr == 4) int8_dots8<4, false>(sg, b, h, j, D, a.ngk, q0, ab, gm);
+                        else if (nr == 3) int8_dots8<3, false>(sg, b, h, j, D, a.ngk, q0, ab, gm);
+                        else if (nr == 2) int8_dots8<2, false>(sg, b, h, j, D, a.ngk, q0, ab, gm);
+                        else int8_dots8<1, false>(sg, b, h, j, D, a.ngk, q0, ab, gm);
+                    }
+                    for (int64_t r = r0; r < r0 + nr; ++r) {
+                        __m256 acc[8];
+                        for (int t = 0; t < 8; ++t) acc[t] = _mm256_load_ps(ab + ((r - r0) * 8 + t) * 8);
+                        const __m256 x = _mm256_mul_ps(tree_lanes(acc), sv8);
+                        _mm256_storeu_ps(lg + r * N + j, x);
+                        nanv = _mm256_add_ps(nanv, _mm256_mul_ps(x, _mm256_setzero_ps()));
+                        for (int t = 0; t < 8; ++t) okr[r * N + j + t] = vj[t] && pj[t] <= qpr[r];
+                    }
+                }
+            }
+        }
         for (; j + 8 <= std::min(j1, N0); j += 8) {
             const Seg& sg = a.seg[0];
             uint8_t vj[8];
@@ -1001,11 +1169,7 @@ void run(const Args& a) {
                     const __m256 qv = _mm256_loadu_ps(qq + d);
                     for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[t] + d), acc[t]);
                 }
-                const __m256 h01 = _mm256_hadd_ps(acc[0], acc[1]), h23 = _mm256_hadd_ps(acc[2], acc[3]);
-                const __m256 h45 = _mm256_hadd_ps(acc[4], acc[5]), h67 = _mm256_hadd_ps(acc[6], acc[7]);
-                const __m256 h03 = _mm256_hadd_ps(h01, h23), h47 = _mm256_hadd_ps(h45, h67);
-                const __m256 dot = _mm256_add_ps(_mm256_permute2f128_ps(h03, h47, 0x20), _mm256_permute2f128_ps(h03, h47, 0x31));
-                const __m256 x = _mm256_mul_ps(dot, sv8);
+                const __m256 x = _mm256_mul_ps(tree_lanes(acc), sv8);
                 _mm256_storeu_ps(lg + r * N + j, x);
                 nanv = _mm256_add_ps(nanv, _mm256_mul_ps(x, _mm256_setzero_ps()));
                 for (int t = 0; t < 8; ++t) okr[r * N + j + t] = vj[t] && pj[t] <= qpr[r];
@@ -1219,33 +1383,36 @@ void run(const Args& a) {
         float* po = POUT + it * R * D;
         std::fill(po, po + R * D, 0.0f);
 #if KVCERT_AVX2
-        // the chunk's values dequantized once (exact), then per row and 64 channels 8 register
-        // accumulators over the tokens in order: the same fma sequence per (row, channel) as below
-        static thread_local std::vector<float> vbuf;
-        static thread_local std::vector<const float*> vrow;  // each token's fp32 row: in vbuf (codes) or in place
-        vbuf.resize((size_t)(L * D));
-        vrow.resize((size_t)L);
-        float* VB = vbuf.data();
-        const float** VR = vrow.data();
-        for (int64_t j = j0; j < j1; ++j) VR[j - j0] = value_row(a, b, h, j, VB + (j - j0) * D);
-        for (int64_t r = 0; r < R; ++r) {
-            const float* wr = lg + r * N + j0;
-            for (int64_t d0 = 0; d0 < D; d0 += 64) {
-                const int nc = (int)(std::min<int64_t>(64, D - d0) / 8);
-                __m256 acc[8];
-                for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
-                for (int64_t j = 0; j < L; ++j) {
-                    const float w = wr[j];
-                    if (w == 0.0f) continue;
-                    const __m256 wv = _mm256_set1_ps(w);
-                    const float* vr = VR[j] + d0;
-                    if (nc == 8) {
-                        for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(vr + 8 * c), acc[c]);
-                    } else {
-                        for (int c = 0; c < nc; ++c) acc[c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+        // the chunk's values dequantized VBLK tokens at a time (exact; the block stays in L1), then per row and 64
+        // channels 8 register accumulators over the block's tokens in order, kept in po between blocks: the same
+        // fma sequence per (row, channel) as below
+        constexpr int64_t VBLK = 16;
+        alignas(32) float VB[VBLK * 512];
+        const float* VR[VBLK];  // each token's fp32 row: in VB (codes) or in place
+        const int64_t jv = int8_out(a, b, h, j0, std::min(j1, N0), lg, N, R, po);  // int8 codes: decoded in registers
+        for (int64_t jb = jv; jb < j1; jb += VBLK) {
+            const int64_t nb = std::min(VBLK, j1 - jb);
+            for (int64_t j = 0; j < nb; ++j) VR[j] = value_row(a, b, h, jb + j, VB + j * D);
+            for (int64_t r = 0; r < R; ++r) {
+                const float* wr = lg + r * N + jb;
+                for (int64_t d0 = 0; d0 < D; d0 += 64) {
+                    const int nc = (int)(std::min<int64_t>(64, D - d0) / 8);
+                    float* pr = po + r * D + d0;
+                    __m256 acc[8];
+                    for (int c = 0; c < nc; ++c) acc[c] = _mm256_loadu_ps(pr + 8 * c);
+                    for (int64_t j = 0; j < nb; ++j) {
+                        const float w = wr[j];
+                        if (w == 0.0f) continue;
+                        const __m256 wv = _mm256_set1_ps(w);
+                        const float* vr = VR[j] + d0;
+                        if (nc == 8) {
+                            for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+                        } else {
+                            for (int c = 0; c < nc; ++c) acc[c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+                        }
                     }
+                    for (int c = 0; c < nc; ++c) _mm256_storeu_ps(pr + 8 * c, acc[c]);
                 }
-                for (int c = 0; c < nc; ++c) _mm256_storeu_ps(po + r * D + d0 + 8 * c, acc[c]);
             }
         }
 #else
