@@ -102,6 +102,7 @@ output flag -> ValueError (attention_rows also runs the twin's input checks firs
 import ctypes
 import functools
 import math
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -189,11 +190,11 @@ def _run(q, qpos, segs, s, bands, ngk, ngv, certify, lut=None, scalar=False, out
     elif out.dtype != torch.float32 or out.shape != q.shape or not out.is_contiguous():
         raise ValueError(f"out: fp32 contiguous {tuple(q.shape)}, got {out.dtype} {tuple(out.shape)}")
     stats = torch.empty(B, T, H, 5, dtype=torch.float64)
-    scratch = torch.empty(2, segs[0]["Hkv"] * B, 2, D, dtype=torch.float32)  # kmax, nan flags
+    kmax, nan = _scratch(segs[0]["Hkv"] * B * 2 * D)
     a = _Args(B, T, H, segs[0]["Hkv"], D, NB, ngk, ngv, s, s, q.data_ptr(), qpos.data_ptr(), bands.data_ptr(), W,
               _band_margin(W), (D + 4) * U32 * 1.01, 0 if lut is None else lut.data_ptr())
     a.seg[0], a.seg[1] = segs[0]["c"], segs[1]["c"]
-    a.out, a.stats, a.kmax, a.nanflag = out.data_ptr(), stats.data_ptr(), scratch[0].data_ptr(), scratch[1].data_ptr()
+    a.out, a.stats, a.kmax, a.nanflag = out.data_ptr(), stats.data_ptr(), ctypes.addressof(kmax), ctypes.addressof(nan)
     a.certify, a.threads, a.chunk = int(certify), read_threads(), _chunk(segs[0]["c"].n + segs[1]["c"].n)
     dstats = None
     if dither_F is not None:
@@ -216,7 +217,7 @@ def _run(q, qpos, segs, s, bands, ngk, ngv, certify, lut=None, scalar=False, out
             raise ValueError("value: the centre, an fp32 [B, Hkv, D] tensor, or 0")
         vres = (vstats, vmax)
     _lib(scalar).kvcert_fused_run(ctypes.byref(a))
-    nan_k, nan_v = scratch[1].view(-1)[:2].tolist()
+    nan_k, nan_v = nan[0], nan[1]
     if not math.isfinite(nan_k):
         raise ValueError("k or q: non-finite logits (NaN/Inf in q, the key cache or its scales, or logits overflow fp32)")
     if not math.isfinite(nan_v):
@@ -225,11 +226,24 @@ def _run(q, qpos, segs, s, bands, ngk, ngv, certify, lut=None, scalar=False, out
     return res if vres is None else (*res, vres)
 
 
+_SCRATCH = threading.local()
+
+
+def _scratch(n):
+    """This thread's kernel scratch: kmax (n fp32, the per-channel key maxima) and the two NaN flags, kept across reads
+    (the kernel writes both before reading them; a read from another thread has its own)."""
+    kmax = getattr(_SCRATCH, "kmax", None)
+    if kmax is None or len(kmax) < n:
+        kmax = _SCRATCH.kmax = (ctypes.c_float * max(n, 1024))()
+        _SCRATCH.nan = (ctypes.c_float * 2)()
+    return kmax, _SCRATCH.nan
+
+
 def _check_run(q, qpos, segs, s, bands, ngk, ngv, certify, lut):
     """_run's inputs against each other (the segments are checked on their own by seg / paged_seg): every
     shape, count and index the kernel trusts. Returns B, T, H, D, NB."""
     if not (isinstance(q, torch.Tensor) and q.dtype == torch.float32 and q.dim() == 4 and q.is_contiguous()
-            and q.device.type == "cpu" and min(q.shape) >= 1):
+            and q.is_cpu and min(q.shape) >= 1):
         raise ValueError(f"q: fp32 contiguous CPU [B, T, H, D], got {getattr(q, 'dtype', q)} {tuple(getattr(q, 'shape', ()))}")
     B, T, H, D = q.shape
     _check_head_dim(D)
@@ -249,10 +263,10 @@ def _check_run(q, qpos, segs, s, bands, ngk, ngv, certify, lut):
     if (ngk, ngv) != (segs[0]["ng"] if n0 else (1, 1)):
         raise ValueError(f"ngk, ngv = {(ngk, ngv)}: segment 0 holds {segs[0]['ng'] if n0 else (1, 1)} scale groups")
     if not (isinstance(qpos, torch.Tensor) and qpos.dtype == torch.int32 and tuple(qpos.shape) == (B, T)
-            and qpos.is_contiguous() and qpos.device.type == "cpu"):
+            and qpos.is_contiguous() and qpos.is_cpu):
         raise ValueError(f"qpos: int32 contiguous CPU {(B, T)}, got {getattr(qpos, 'dtype', qpos)} {tuple(getattr(qpos, 'shape', ()))}")
     if not (isinstance(bands, torch.Tensor) and bands.dtype == torch.int64 and bands.dim() == 2 and bands.is_contiguous()
-            and bands.device.type == "cpu" and min(bands.shape) >= 1):
+            and bands.is_cpu and min(bands.shape) >= 1):
         raise ValueError("bands: int64 contiguous CPU [NB, W]")
     key = (bands.data_ptr(), bands._version, D)
     seen = _BANDS_OK.get(id(bands))
@@ -270,7 +284,7 @@ def _check_run(q, qpos, segs, s, bands, ngk, ngv, certify, lut):
         if segs[0]["NB"] != NB:
             raise ValueError(f"segment 0: witness of {segs[0]['NB']} bands, bands has {NB}")
         if segs[0]["c"].rho_u8 and not (isinstance(lut, torch.Tensor) and lut.dtype == torch.float32
-                                        and tuple(lut.shape) == (256,) and lut.is_contiguous() and lut.device.type == "cpu"):
+                                        and tuple(lut.shape) == (256,) and lut.is_contiguous() and lut.is_cpu):
             raise ValueError("lut: the fp32 [256] contiguous log table (fast.core.witness._log_table) for uint8 witness codes")
     if isinstance(s, bool) or not isinstance(s, (int, float)) or not (math.isfinite(s) and s > 0):
         raise ValueError(f"s: a finite real number > 0, got {s!r}")
