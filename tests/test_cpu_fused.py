@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from mpmath import fsum, mpf, workdps
 
@@ -860,6 +860,8 @@ def _asym_case(case):
 
 @settings(max_examples=30, deadline=None)
 @given(case=ASYM)
+@example(case={"seed": 1, "B": 1, "T": 1, "Hkv": 1, "G": 3, "blocks": 2, "D": 64, "layout": "kivi2", "t0": 0, "certify": True,
+               "mag": 1.0, "holes": False})  # kivi2 keys of two blocks: each 8 tokens' scales and zeros from their own block
 def test_asym_codes_read_as_the_twins_decoded_rows(case):
     """Differential (fused kivi2 / pre-RoPE vs the twin's decode): the kernel reading the 2-, 4- or 8-bit asymmetric
     codes + fp16 scales and zeros in place (keys per channel over blocks of 32 tokens, rotated to their positions

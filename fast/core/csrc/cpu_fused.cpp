@@ -686,11 +686,28 @@ inline __m256 tree_lanes(const __m256* acc) {
     return _mm256_add_ps(_mm256_permute2f128_ps(h03, h47, 0x20), _mm256_permute2f128_ps(h03, h47, 0x31));
 }
 
-// true when segment 0 holds symmetric int8 or int4 codes with scale groups of a multiple of 8 channels (the register
-// paths)
-inline bool int8_regs(const Seg& sg, int64_t ng, int64_t D) {
-    return sg.n && sg.coded && !sg.kasym && !sg.vasym && !sg.fp8 && !sg.f16 && !sg.dith && quot(D, ng) % 8 == 0;
+// The register paths' row kinds (-1: none, the buffered loops): symmetric int8 or int4 codes with scale groups of a
+// multiple of 8 channels, or asymmetric codes without dither (keys: no rotation, blocks of a multiple of 8 tokens, so
+// that 8 tokens share one block's scales and zeros; values: groups of a multiple of 8 channels)
+enum Kind { K_INT8 = 0, K_INT4 = 1, K_ASYM = 2 };
+
+inline int row_kind(const Seg& sg, bool values, int64_t ng, int64_t D) {
+    if (!sg.n || !sg.coded || sg.fp8 || sg.f16 || sg.dith) return -1;
+    if (values ? sg.vasym : sg.kasym)
+        return (values ? quot(D, ng) % 8 == 0 : (!sg.rcos && sg.kblk % 8 == 0)) ? K_ASYM : -1;
+    if (quot(D, ng) % 8) return -1;
+    return sg.int4 ? K_INT4 : K_INT8;
 }
+
+#if KVCERT_F16C
+inline __m256 half8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+#else
+inline __m256 half8(const uint16_t* p) {
+    alignas(32) float f[8];
+    for (int l = 0; l < 8; ++l) f[l] = half_to_float(p[l]);
+    return _mm256_load_ps(f);
+}
+#endif
 
 // channels d .. d + 7 (d a multiple of 8) of a row of symmetric codes times the scale s8, as seg_row decodes them: int8
 // code * scale; int4 (nibble - 8) * scale, nibble 0 a NaN (all ones, or-ed in after the product, as seg_row)
@@ -706,42 +723,77 @@ inline __m256 sym8(const uint8_t* row, int64_t d, __m256 s8) {
     return _mm256_or_ps(x, _mm256_castsi256_ps(_mm256_cmpeq_epi32(nib, _mm256_setzero_si256())));
 }
 
-// Pass 1 on 8 tokens [j, j + 8) of segment 0 (int8_regs) and NR query rows q [NR][D]: each token's key decoded in
-// registers (k~ = code * scale, exact, as seg_row) and dotted with the NR rows, lane l of row r's accumulator the fma
-// chain over d = l, l + 8, ... in order (the buffered loop's): written to ab[(r 8 + t) 8 + l] for the caller's tree.
-// gm[g]: the group's largest scale so far, as seg_row.
-template <int NR, bool INT4>
-inline void int8_dots8(const Seg& sg, int64_t b, int64_t h, int64_t j, int64_t D, int64_t ng, const float* q, float* ab, float* gm) {
+// Pass 1 on 8 tokens [j, j + 8) of segment 0 (row_kind) and NR query rows q [NR][D]: each token's key decoded in
+// registers as seg_row decodes it (symmetric: code * scale, exact; asymmetric: fl(code * scale + zero), asym_row's
+// operations, the 8 tokens' per-channel scales and zeros converted once) and dotted with the NR rows, lane l of row r's
+// accumulator the fma chain over d = l, l + 8, ... in order (the buffered loop's): written to ab[(r 8 + t) 8 + l] for
+// the caller's tree. The logit bound's maxima as seg_row keeps them: symmetric codes gm[g] (the group's largest scale),
+// asymmetric ones km[D + d] (the largest |k~| per channel).
+template <int NR, int KIND>
+inline void dots8(const Seg& sg, int64_t b, int64_t h, int64_t j, int64_t D, int64_t ng, const float* q, float* ab, float* gm,
+                  float* km) {
     const int64_t gw = quot(D, ng);
+    alignas(32) float sz[2 * 512];  // asymmetric keys: the block's scales, then zeros
+    if (KIND == K_ASYM) {
+        const int64_t blk = quot(j, sg.kblk);
+        const uint16_t* sc = sg.ks + b * sg.ks_sb + h * sg.ks_sh + blk * D;
+        const uint16_t* zc = sg.kz + b * sg.kz_sb + h * sg.kz_sh + blk * D;
+        for (int64_t d = 0; d < D; d += 8) {
+            _mm256_store_ps(sz + d, half8(sc + d));
+            _mm256_store_ps(sz + D + d, half8(zc + d));
+        }
+    }
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int t = 0; t < 8; ++t) {
-        const uint8_t* code = (const uint8_t*)sg.k + row_off(sg, sg.k_sb, sg.k_sh, b, h, j + t, INT4 ? D / 2 : D);
-        const uint16_t* sc = sg.ks + row_off(sg, sg.ks_sb, sg.ks_sh, b, h, j + t, ng);
         __m256 acc[NR];
         for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
-        for (int64_t g = 0; g < ng; ++g) {
-            const float sv = half_to_float(sc[g]);
-            gm[g] = std::max(gm[g], sv);
-            const __m256 s8 = _mm256_set1_ps(sv);
-            for (int64_t d = g * gw; d < (g + 1) * gw; d += 8) {
-                const __m256 k = sym8<INT4>(code, d, s8);
+        if (KIND == K_ASYM) {
+            const int bits = sg.kasym;
+            const uint8_t* code = (const uint8_t*)sg.k + b * sg.k_sb + h * sg.k_sh + (j + t) * (D * bits / 8);
+            for (int64_t d = 0; d < D; d += 8) {
+                const __m256 k = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(codes8(code, bits, d)), _mm256_load_ps(sz + d)),
+                                               _mm256_load_ps(sz + D + d));
+                _mm256_storeu_ps(km + D + d, _mm256_max_ps(_mm256_loadu_ps(km + D + d), _mm256_and_ps(k, absm)));
                 for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d), k, acc[r]);
+            }
+        } else {
+            const uint8_t* code = (const uint8_t*)sg.k + row_off(sg, sg.k_sb, sg.k_sh, b, h, j + t, KIND == K_INT4 ? D / 2 : D);
+            const uint16_t* sc = sg.ks + row_off(sg, sg.ks_sb, sg.ks_sh, b, h, j + t, ng);
+            for (int64_t g = 0; g < ng; ++g) {
+                const float sv = half_to_float(sc[g]);
+                gm[g] = std::max(gm[g], sv);
+                const __m256 s8 = _mm256_set1_ps(sv);
+                for (int64_t d = g * gw; d < (g + 1) * gw; d += 8) {
+                    const __m256 k = sym8<KIND == K_INT4>(code, d, s8);
+                    for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d), k, acc[r]);
+                }
             }
         }
         for (int r = 0; r < NR; ++r) _mm256_store_ps(ab + (r * 8 + t) * 8, acc[r]);
     }
 }
+
+template <int KIND>
+inline void dots8_rows(int64_t nr, const Seg& sg, int64_t b, int64_t h, int64_t j, int64_t D, int64_t ng, const float* q,
+                       float* ab, float* gm, float* km) {
+    if (nr == 4) dots8<4, KIND>(sg, b, h, j, D, ng, q, ab, gm, km);
+    else if (nr == 3) dots8<3, KIND>(sg, b, h, j, D, ng, q, ab, gm, km);
+    else if (nr == 2) dots8<2, KIND>(sg, b, h, j, D, ng, q, ab, gm, km);
+    else dots8<1, KIND>(sg, b, h, j, D, ng, q, ab, gm, km);
+}
 #endif
 
 #if KVCERT_AVX2
-// The output sums o_r += w_rj v~_j over tokens [j0, j1) of segment 0 when it holds symmetric int8 codes and D is a
-// multiple of 32: v~ = code * scale decoded in registers (exact in fp32, as seg_row), 32 channels at a time, used by
-// NR <= 3 rows at once (NR x 4 accumulators, kept in po between calls), each (row, channel) the same fma sequence in
-// token order as the buffered loop in run (a row skips w = 0 as it does): the same bits. lg: the (b, h) logits base
-// ([R][N] weights). Returns the first token it did not read (j0 when the segment holds anything else, or R > 8).
-template <int NR, bool ONE_SCALE, bool INT4>
-void int8_out_rows(const Seg& sg, int64_t b, int64_t h, int64_t j0, int64_t j1, int64_t D, int64_t ng, const float* lg,
-                   int64_t N, float* po) {
+// The output sums o_r += w_rj v~_j over tokens [j0, j1) of segment 0 when its values are of a register kind (row_kind)
+// and D is a multiple of 32: v~ decoded in registers as seg_row decodes it (symmetric: code * scale, exact; asymmetric:
+// fl(code * scale + zero), asym_row's operations), 32 channels at a time, used by NR <= 3 rows at once (NR x 4
+// accumulators, kept in po between calls), each (row, channel) the same fma sequence in token order as the buffered loop
+// in run (a row skips w = 0 as it does): the same bits. lg: the (b, h) logits base ([R][N] weights).
+template <int NR, bool ONE_SCALE, int KIND>
+void out_rows(const Seg& sg, int64_t b, int64_t h, int64_t j0, int64_t j1, int64_t D, int64_t ng, const float* lg,
+              int64_t N, float* po) {
     const int64_t gw = quot(D, ng);
+    const int bits = KIND == K_ASYM ? sg.vasym : 8;
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
         int64_t gi[4];  // the scale group of each 8 channels (ONE_SCALE: one group holds all 32)
         for (int c = 0; c < 4; ++c) gi[c] = quot(d0 + 8 * c, gw);
@@ -749,8 +801,10 @@ void int8_out_rows(const Seg& sg, int64_t b, int64_t h, int64_t j0, int64_t j1, 
         for (int r = 0; r < NR; ++r)
             for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_loadu_ps(po + r * D + d0 + 8 * c);
         for (int64_t j = j0; j < j1; ++j) {
-            const uint8_t* code = (const uint8_t*)sg.v + row_off(sg, sg.v_sb, sg.v_sh, b, h, j, INT4 ? D / 2 : D);
-            const uint16_t* sc = sg.vs + row_off(sg, sg.vs_sb, sg.vs_sh, b, h, j, ng);
+            const uint8_t* code = KIND == K_ASYM ? (const uint8_t*)sg.v + b * sg.v_sb + h * sg.v_sh + j * (D * bits / 8)
+                                                 : (const uint8_t*)sg.v + row_off(sg, sg.v_sb, sg.v_sh, b, h, j, KIND == K_INT4 ? D / 2 : D);
+            const uint16_t* sc = KIND == K_ASYM ? sg.vs + b * sg.vs_sb + h * sg.vs_sh + j * ng : sg.vs + row_off(sg, sg.vs_sb, sg.vs_sh, b, h, j, ng);
+            const uint16_t* zc = KIND == K_ASYM ? sg.vz + b * sg.vz_sb + h * sg.vz_sh + j * ng : nullptr;
             float w[NR];
             bool all = true;
             for (int r = 0; r < NR; ++r) {
@@ -758,9 +812,15 @@ void int8_out_rows(const Seg& sg, int64_t b, int64_t h, int64_t j0, int64_t j1, 
                 all = all && w[r] != 0.0f;
             }
             const __m256 s1 = _mm256_set1_ps(half_to_float(sc[gi[0]]));
+            const __m256 z1 = KIND == K_ASYM ? _mm256_set1_ps(half_to_float(zc[gi[0]])) : s1;
             for (int c = 0; c < 4; ++c) {
                 const __m256 sv = ONE_SCALE ? s1 : _mm256_set1_ps(half_to_float(sc[gi[c]]));
-                const __m256 v = sym8<INT4>(code, d0 + 8 * c, sv);
+                __m256 v;
+                if (KIND == K_ASYM)
+                    v = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(codes8(code, bits, d0 + 8 * c)), sv),
+                                      ONE_SCALE ? z1 : _mm256_set1_ps(half_to_float(zc[gi[c]])));
+                else
+                    v = sym8<KIND == K_INT4>(code, d0 + 8 * c, sv);
                 for (int r = 0; r < NR; ++r)
                     if (all || w[r] != 0.0f) acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(w[r]), v, acc[r][c]);
             }
@@ -770,30 +830,34 @@ void int8_out_rows(const Seg& sg, int64_t b, int64_t h, int64_t j0, int64_t j1, 
     }
 }
 
-template <bool INT4>
-void out_rows(int64_t nr, bool one, const Seg& sg, int64_t b, int64_t h, int64_t j0, int64_t j1, int64_t D, int64_t ng,
-              const float* lg, int64_t N, float* po) {
+template <int KIND>
+void out_rows_n(int64_t nr, bool one, const Seg& sg, int64_t b, int64_t h, int64_t j0, int64_t j1, int64_t D, int64_t ng,
+                const float* lg, int64_t N, float* po) {
     if (one) {
-        if (nr == 3) int8_out_rows<3, true, INT4>(sg, b, h, j0, j1, D, ng, lg, N, po);
-        else if (nr == 2) int8_out_rows<2, true, INT4>(sg, b, h, j0, j1, D, ng, lg, N, po);
-        else int8_out_rows<1, true, INT4>(sg, b, h, j0, j1, D, ng, lg, N, po);
+        if (nr == 3) out_rows<3, true, KIND>(sg, b, h, j0, j1, D, ng, lg, N, po);
+        else if (nr == 2) out_rows<2, true, KIND>(sg, b, h, j0, j1, D, ng, lg, N, po);
+        else out_rows<1, true, KIND>(sg, b, h, j0, j1, D, ng, lg, N, po);
     } else {
-        if (nr == 3) int8_out_rows<3, false, INT4>(sg, b, h, j0, j1, D, ng, lg, N, po);
-        else if (nr == 2) int8_out_rows<2, false, INT4>(sg, b, h, j0, j1, D, ng, lg, N, po);
-        else int8_out_rows<1, false, INT4>(sg, b, h, j0, j1, D, ng, lg, N, po);
+        if (nr == 3) out_rows<3, false, KIND>(sg, b, h, j0, j1, D, ng, lg, N, po);
+        else if (nr == 2) out_rows<2, false, KIND>(sg, b, h, j0, j1, D, ng, lg, N, po);
+        else out_rows<1, false, KIND>(sg, b, h, j0, j1, D, ng, lg, N, po);
     }
 }
 
-int64_t int8_out(const Args& a, int64_t b, int64_t h, int64_t j0, int64_t j1, const float* lg, int64_t N, int64_t R, float* po) {
+// out_rows over every row of a chunk's segment-0 tokens [j0, j1); returns the first token it did not read (j0 when the
+// values are of no register kind, D is not a multiple of 32, or R > 8: many rows, the buffered loop decodes once)
+int64_t reg_out(const Args& a, int64_t b, int64_t h, int64_t j0, int64_t j1, const float* lg, int64_t N, int64_t R, float* po) {
     const Seg& sg = a.seg[0];
-    if (j1 <= j0 || !int8_regs(sg, a.ngv, a.D) || a.D % 32 || R > 8) return j0;  // many rows: the buffered loop decodes once
+    const int kind = j1 > j0 ? row_kind(sg, true, a.ngv, a.D) : -1;
+    if (kind < 0 || a.D % 32 || R > 8) return j0;
+    const bool one = quot(a.D, a.ngv) % 32 == 0;
     for (int64_t r0 = 0; r0 < R; r0 += 3) {
         const int64_t nr = std::min<int64_t>(3, R - r0);
         const float* l = lg + r0 * N;
         float* p = po + r0 * a.D;
-        const bool one = quot(a.D, a.ngv) % 32 == 0;
-        if (sg.int4) out_rows<true>(nr, one, sg, b, h, j0, j1, a.D, a.ngv, l, N, p);
-        else out_rows<false>(nr, one, sg, b, h, j0, j1, a.D, a.ngv, l, N, p);
+        if (kind == K_INT8) out_rows_n<K_INT8>(nr, one, sg, b, h, j0, j1, a.D, a.ngv, l, N, p);
+        else if (kind == K_INT4) out_rows_n<K_INT4>(nr, one, sg, b, h, j0, j1, a.D, a.ngv, l, N, p);
+        else out_rows_n<K_ASYM>(nr, one, sg, b, h, j0, j1, a.D, a.ngv, l, N, p);
     }
     return j1;
 }
@@ -1119,9 +1183,10 @@ void run(const Args& a) {
             for (int64_t d = 0; d < D; ++d)
                 for (int l = 0; l < 8; ++l) km[D + d] = std::max(km[D + d], kmx[8 * d + l]);
         }
-        if (int8_regs(a.seg[0], a.ngk, D) && R <= 8) {
-            // symmetric int8 keys: each token's row decoded in registers and dotted with up to 4 rows at once
-            // (int8_dots8), then the tree of the loop below: the same bits, no decoded copy written
+        const int kkind = row_kind(a.seg[0], false, a.ngk, D);
+        if (kkind >= 0 && R <= 8) {
+            // keys of a register kind: each token's row decoded in registers and dotted with up to 4 rows at once
+            // (dots8), then the tree of the loop below: the same bits, no decoded copy written
             const Seg& sg = a.seg[0];
             alignas(32) float ab[4 * 8 * 8];
             for (; j + 8 <= std::min(j1, N0); j += 8) {
@@ -1131,17 +1196,9 @@ void run(const Args& a) {
                 for (int64_t r0 = 0; r0 < R; r0 += 4) {
                     const int64_t nr = std::min<int64_t>(4, R - r0);
                     const float* q0 = &qr[r0 * D];
-                    if (sg.int4) {
-                        if (nr == 4) int8_dots8<4, true>(sg, b, h, j, D, a.ngk, q0, ab, gm);
-                        else if (nr == 3) int8_dots8<3, true>(sg, b, h, j, D, a.ngk, q0, ab, gm);
-                        else if (nr == 2) int8_dots8<2, true>(sg, b, h, j, D, a.ngk, q0, ab, gm);
-                        else int8_dots8<1, true>(sg, b, h, j, D, a.ngk, q0, ab, gm);
-                    } else {
-                        if (nr == 4) int8_dots8<4, false>(sg, b, h, j, D, a.ngk, q0, ab, gm);
-                        else if (nr == 3) int8_dots8<3, false>(sg, b, h, j, D, a.ngk, q0, ab, gm);
-                        else if (nr == 2) int8_dots8<2, false>(sg, b, h, j, D, a.ngk, q0, ab, gm);
-                        else int8_dots8<1, false>(sg, b, h, j, D, a.ngk, q0, ab, gm);
-                    }
+                    if (kkind == K_INT8) dots8_rows<K_INT8>(nr, sg, b, h, j, D, a.ngk, q0, ab, gm, km);
+                    else if (kkind == K_INT4) dots8_rows<K_INT4>(nr, sg, b, h, j, D, a.ngk, q0, ab, gm, km);
+                    else dots8_rows<K_ASYM>(nr, sg, b, h, j, D, a.ngk, q0, ab, gm, km);
                     for (int64_t r = r0; r < r0 + nr; ++r) {
                         __m256 acc[8];
                         for (int t = 0; t < 8; ++t) acc[t] = _mm256_load_ps(ab + ((r - r0) * 8 + t) * 8);
@@ -1206,12 +1263,27 @@ void run(const Args& a) {
             for (int64_t d = g * (D / a.ngk); d < (g + 1) * (D / a.ngk); ++d) km[d] = std::max(km[d], gm[g]);
         // row maxima over the readable tokens of this chunk
         float* pm = PMAX + it * R;
+        // (a maximum of the same numbers in any order: the same value, a zero's sign aside, which no weight sees:
+        // kv_exp(+-0) = 1; NaN logits refuse the read)
         for (int64_t r = 0; r < R; ++r) {
             float m = -INFINITY;
             const float* x = lg + r * N;
             const uint8_t* o = okr + r * N;
+            int64_t j = j0;
+#if KVCERT_AVX2
+            __m256 mv = _mm256_set1_ps(-INFINITY);
+            const __m256 ninf = mv;
+            for (; j + 8 <= j1; j += 8) {
+                const __m256i om = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(o + j)));
+                const __m256 ok = _mm256_castsi256_ps(_mm256_cmpgt_epi32(om, _mm256_setzero_si256()));
+                mv = _mm256_max_ps(mv, _mm256_blendv_ps(ninf, _mm256_loadu_ps(x + j), ok));
+            }
+            alignas(32) float mx[8];
+            _mm256_store_ps(mx, mv);
+            for (int l = 0; l < 8; ++l) m = std::max(m, mx[l]);
+#endif
 #pragma omp simd reduction(max : m)
-            for (int64_t j = j0; j < j1; ++j) m = std::max(m, o[j] ? x[j] : -INFINITY);
+            for (int64_t jj = j; jj < j1; ++jj) m = std::max(m, o[jj] ? x[jj] : -INFINITY);
             pm[r] = m;
         }
         PNAN[it] = nan_acc;
@@ -1389,7 +1461,7 @@ void run(const Args& a) {
         constexpr int64_t VBLK = 16;
         alignas(32) float VB[VBLK * 512];
         const float* VR[VBLK];  // each token's fp32 row: in VB (codes) or in place
-        const int64_t jv = int8_out(a, b, h, j0, std::min(j1, N0), lg, N, R, po);  // int8 codes: decoded in registers
+        const int64_t jv = reg_out(a, b, h, j0, std::min(j1, N0), lg, N, R, po);  // codes decoded in registers
         for (int64_t jb = jv; jb < j1; jb += VBLK) {
             const int64_t nb = std::min(VBLK, j1 - jb);
             for (int64_t j = 0; j < nb; ++j) VR[j] = value_row(a, b, h, jb + j, VB + j * D);
