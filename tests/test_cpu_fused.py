@@ -1059,6 +1059,25 @@ def test_fp8_codes_read_as_the_twins_dequantized_rows(case):
         assert torch.equal(got[1].view(torch.int64), want[1].view(torch.int64)), "stats differ " + rep
 
 
+def test_fp8_decoded_by_bits_only_where_that_is_the_table():
+    """The AVX2 kernel decodes fp8 bytes by bit arithmetic (csrc fp8_bits) in place of the table gather only for a
+    table it reproduces entry for entry (fp8_format): torch's e4m3fn and e5m2 tables (every byte, subnormals and
+    specials included) are recognised; a table with one entry off by one ulp, or one finite entry where the format
+    has a NaN, is not (the gather reads it as given); the scalar build always gathers."""
+    lib = cpu_fused._lib()
+    tables = {fmt: cpu_fused._fp8_table(dt) for fmt, dt in ((1, torch.float8_e4m3fn), (2, torch.float8_e5m2))}
+    for fmt, t in tables.items():
+        assert lib.kvcert_fp8_format(t.data_ptr()) == (fmt if _has_avx2() else 0)
+        assert cpu_fused._lib(scalar=True).kvcert_fp8_format(t.data_ptr()) == 0
+        for i in (1, 37, 0x80 | 3, 0x7B):  # a subnormal, a normal, a negative subnormal, e5m2's largest finite
+            bad = t.clone()
+            bad[i] = torch.nextafter(bad[i], torch.tensor(float("inf")))
+            assert lib.kvcert_fp8_format(bad.data_ptr()) == 0, (fmt, i)
+        nan = t.clone()
+        nan[nan.isnan()] = 1.0
+        assert lib.kvcert_fp8_format(nan.data_ptr()) == 0, fmt
+
+
 @pytest.mark.parametrize("what", ["nan_key", "nan_value", "order_dropped", "scale_dropped", "table_e5m2"])
 def test_fp8_read_sees_mutations_and_nan_codes(what):
     """A NaN fp8 code (key or value) is refused by the kernel's flags; a decode that drops the 2^-120 ... 2^120
@@ -1086,7 +1105,12 @@ def test_fp8_read_sees_mutations_and_nan_codes(what):
             cpu_fused._run(q, qpos, [cpu_fused.seg(2, 24, **parts), cpu_fused.seg(2, 0)], 0.125, b64, 1, 1, False)
         return
     f8 = parts["fp8"]
-    if what == "order_dropped":
+    if what == "order_dropped":  # unmutated, the kernel's decode keeps the order (keys and values, subnormal products;
+        # q 2^28: logits of order 1, so that a key's last bits reach the output)
+        qb = (q * 2.0 ** 28).contiguous()
+        same, ref = (cpu_fused._run(qb, qpos, [sg, cpu_fused.seg(2, 0)], 0.125, b64, 1, 1, False)[0]
+                     for sg in (cpu_fused.seg(2, 24, **parts), rows[0]))
+        assert torch.equal(same, ref)
         parts["fp8"] = cpu_fused.Fp8Read(f8.dtype, f8.scale)
     elif what == "scale_dropped":
         parts["k_scales"] = parts["v_scales"] = None

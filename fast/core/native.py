@@ -18,7 +18,7 @@ import torch
 from fast.core.threads import read_threads
 
 SRC = Path(__file__).resolve().parent / "csrc" / "cpu_fused.cpp"
-ABI = 7  # csrc: kvcert_fused_abi (bumped with every change of Seg / Args)
+ABI = 8  # csrc: kvcert_fused_abi (bumped with every change of Seg / Args)
 FLAGS = ["-O3", "-g", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp", "-fopenmp-simd", "-fPIC", "-shared", "-std=c++17"]
 
 
@@ -43,7 +43,7 @@ class _Seg(ctypes.Structure):
         ("f8scale", ctypes.c_float), ("f8pre", ctypes.c_float), ("f8post", ctypes.c_float),
         ("dith", ctypes.c_int), ("dkey", ctypes.c_void_p), ("dk_sb", ctypes.c_int64), ("dk_sh", ctypes.c_int64),
         ("dtok0", ctypes.c_int64), ("f16", ctypes.c_int), ("verr", ctypes.c_void_p), ("ve_sb", ctypes.c_int64),
-        ("ve_sh", ctypes.c_int64)]]
+        ("ve_sh", ctypes.c_int64), ("f8fmt", ctypes.c_int)]]
 
 
 class _Args(ctypes.Structure):
@@ -121,6 +121,8 @@ def _lib(scalar=False):
         lib.kvcert_epilogue.restype = ctypes.c_int
         lib.kvcert_lut_is_grid.argtypes = [ctypes.c_void_p]
         lib.kvcert_lut_is_grid.restype = ctypes.c_int
+        lib.kvcert_fp8_format.argtypes = [ctypes.c_void_p]
+        lib.kvcert_fp8_format.restype = ctypes.c_int
         lib.kvcert_dither_noise.argtypes = [ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint32, *[ctypes.c_int64] * 5,
                                             ctypes.c_int, ctypes.c_void_p]
         lib.kvcert_dither_noise.restype = None

@@ -206,6 +206,9 @@ struct Seg {
     // the value witness (value_bound, segment 0): verr [.., N] fp32 >= ||v_j - v~_j|| per token (null: 0; tokens flagged
     // exact: 0), for the output bound's sums (Args: vstats)
     const float* verr; int64_t ve_sb, ve_sh;
+    // fp8 rows decoded by bit arithmetic (fp8_bits) instead of the table gather: 1 (e4m3), 2 (e5m2), 0 (the gather). Set
+    // by the kernel itself (run: fp8_format checks the decode against every entry of f8lut); the caller's value is ignored.
+    int f8fmt;
 };
 
 // n / m for n >= 0, m >= 1: a shift when m is a power of two (the usual group widths and block sizes), else the
@@ -527,6 +530,44 @@ inline const float* dither_cached(uint32_t k0, uint32_t k1, uint64_t token, int6
     return ch.u + (token - ch.tok0) * D;
 }
 
+#if KVCERT_AVX2
+// The fp32 values of 8 fp8 bytes (int32 lanes) by bit arithmetic, format fmt (1: e4m3fn, 3 mantissa bits, bias 7, 0x7f
+// NaN; 2: e5m2, 2 bits, bias 15, exponent 31 inf / NaN): a normal byte's exponent and mantissa moved into fp32's
+// fields, rebiased; a subnormal one m 2^(1 - bias - M) (exact: m < 2^M); the sign bit or-ed in. fp8_format accepts it
+// only where it gives every table entry's bits (NaN for NaN), so it is the table's value, as the gather.
+inline __m256 fp8_bits(__m256i c, int fmt) {
+    const int M = fmt == 1 ? 3 : 2, bias = fmt == 1 ? 7 : 15;
+    const __m256i mag = _mm256_and_si256(c, _mm256_set1_epi32(0x7f));
+    const __m256i nb = _mm256_add_epi32(_mm256_slli_epi32(mag, 23 - M), _mm256_set1_epi32((127 - bias) << 23));
+    const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(fmt == 1 ? 0x1p-9f : 0x1p-16f));
+    __m256 r = _mm256_blendv_ps(_mm256_castsi256_ps(nb), sub, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(1 << M), mag)));
+    if (fmt == 1) {  // 0x7f: NaN
+        r = _mm256_or_ps(r, _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7f))));
+    } else {  // exponent 31: mantissa 0 inf, else NaN
+        const __m256i top = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7b));
+        const __m256i inf = _mm256_set1_epi32(0x7f800000);
+        const __m256i sp = _mm256_or_si256(inf, _mm256_slli_epi32(_mm256_and_si256(mag, _mm256_set1_epi32(3)), 21));
+        r = _mm256_blendv_ps(r, _mm256_castsi256_ps(sp), _mm256_castsi256_ps(top));
+    }
+    return _mm256_or_ps(r, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24)));
+}
+
+// 1 or 2 when fp8_bits of that format gives every entry of the table lut[256] bit for bit (NaN entries: a NaN), else 0
+inline int fp8_format(const float* lut) {
+    for (int fmt = 1; fmt <= 2; ++fmt) {
+        bool ok = true;
+        for (int i = 0; i < 256 && ok; i += 8) {
+            alignas(32) float x[8];
+            _mm256_store_ps(x, fp8_bits(_mm256_add_epi32(_mm256_set1_epi32(i), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)), fmt));
+            for (int l = 0; l < 8; ++l)
+                ok = ok && (std::isnan(lut[i + l]) ? std::isnan(x[l]) : std::memcmp(&x[l], &lut[i + l], 4) == 0);
+        }
+        if (ok) return fmt;
+    }
+    return 0;
+}
+#endif
+
 // Row jj of an fp8 segment (Seg: fp8) decoded into buf; smax (keys): per channel max |k~| into smax[D + d], as for
 // fp32 rows. The AVX2 loop runs the scalar loop's products in its order (the same bits: tests/test_cpu_fused.py).
 inline const float* fp8_row(const Seg& sg, bool values, int64_t b, int64_t h, int64_t jj, int64_t D, float* buf, float* smax) {
@@ -536,11 +577,12 @@ inline const float* fp8_row(const Seg& sg, bool values, int64_t b, int64_t h, in
     const float pre = sg.f8pre, post = sg.f8post;
     int64_t d = 0;
 #if KVCERT_AVX2
-    // 8 codes at a time: the table gathered by the bytes, then the scalar loop's three products in its order
+    // 8 codes at a time: the table's values (fp8_bits where run found it exact, else gathered), then the scalar loop's
+    // three products in its order
     const __m256 pre8 = _mm256_set1_ps(pre), s8 = _mm256_set1_ps(s), post8 = _mm256_set1_ps(post);
     for (; d + 8 <= D; d += 8) {
         const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(code + d)));
-        const __m256 c = _mm256_i32gather_ps(sg.f8lut, idx, 4);
+        const __m256 c = sg.f8fmt ? fp8_bits(idx, sg.f8fmt) : _mm256_i32gather_ps(sg.f8lut, idx, 4);
         _mm256_storeu_ps(buf + d, _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(c, pre8), s8), post8));
     }
 #endif
@@ -687,12 +729,14 @@ inline __m256 tree_lanes(const __m256* acc) {
 }
 
 // The register paths' row kinds (-1: none, the buffered loops): symmetric int8 or int4 codes with scale groups of a
-// multiple of 8 channels, or asymmetric codes without dither (keys: no rotation, blocks of a multiple of 8 tokens, so
-// that 8 tokens share one block's scales and zeros; values: groups of a multiple of 8 channels)
-enum Kind { K_INT8 = 0, K_INT4 = 1, K_ASYM = 2 };
+// multiple of 8 channels, fp8 bytes of a format fp8_bits decodes, or asymmetric codes without dither (keys: no
+// rotation, blocks of a multiple of 8 tokens, so that 8 tokens share one block's scales and zeros; values: groups of a
+// multiple of 8 channels)
+enum Kind { K_INT8 = 0, K_INT4 = 1, K_ASYM = 2, K_FP8 = 3 };
 
 inline int row_kind(const Seg& sg, bool values, int64_t ng, int64_t D) {
-    if (!sg.n || !sg.coded || sg.fp8 || sg.f16 || sg.dith) return -1;
+    if (sg.n && sg.fp8) return sg.f8fmt ? K_FP8 : -1;  // fp8 bytes: where fp8_bits is the table (run: fp8_format)
+    if (!sg.n || !sg.coded || sg.f16 || sg.dith) return -1;
     if (values ? sg.vasym : sg.kasym)
         return (values ? quot(D, ng) % 8 == 0 : (!sg.rcos && sg.kblk % 8 == 0)) ? K_ASYM : -1;
     if (quot(D, ng) % 8) return -1;
@@ -728,7 +772,7 @@ inline __m256 sym8(const uint8_t* row, int64_t d, __m256 s8) {
 // operations, the 8 tokens' per-channel scales and zeros converted once) and dotted with the NR rows, lane l of row r's
 // accumulator the fma chain over d = l, l + 8, ... in order (the buffered loop's): written to ab[(r 8 + t) 8 + l] for
 // the caller's tree. The logit bound's maxima as seg_row keeps them: symmetric codes gm[g] (the group's largest scale),
-// asymmetric ones km[D + d] (the largest |k~| per channel).
+// asymmetric and fp8 ones km[D + d] (the largest |k~| per channel).
 template <int NR, int KIND>
 inline void dots8(const Seg& sg, int64_t b, int64_t h, int64_t j, int64_t D, int64_t ng, const float* q, float* ab, float* gm,
                   float* km) {
@@ -753,6 +797,16 @@ inline void dots8(const Seg& sg, int64_t b, int64_t h, int64_t j, int64_t D, int
             for (int64_t d = 0; d < D; d += 8) {
                 const __m256 k = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(codes8(code, bits, d)), _mm256_load_ps(sz + d)),
                                                _mm256_load_ps(sz + D + d));
+                _mm256_storeu_ps(km + D + d, _mm256_max_ps(_mm256_loadu_ps(km + D + d), _mm256_and_ps(k, absm)));
+                for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d), k, acc[r]);
+            }
+        } else if (KIND == K_FP8) {  // fp8_row's operations: fl(fl(fl(c pre) s) post), |k~| max-ed per channel
+            const uint8_t* code = (const uint8_t*)sg.k + row_off(sg, sg.k_sb, sg.k_sh, b, h, j + t, D);
+            const float s = sg.ks8 ? sg.ks8[row_off(sg, sg.ks_sb, sg.ks_sh, b, h, j + t, 1)] : sg.f8scale;
+            const __m256 pre8 = _mm256_set1_ps(sg.f8pre), s8 = _mm256_set1_ps(s), post8 = _mm256_set1_ps(sg.f8post);
+            for (int64_t d = 0; d < D; d += 8) {
+                const __m256 c = fp8_bits(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(code + d))), sg.f8fmt);
+                const __m256 k = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(c, pre8), s8), post8);
                 _mm256_storeu_ps(km + D + d, _mm256_max_ps(_mm256_loadu_ps(km + D + d), _mm256_and_ps(k, absm)));
                 for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d), k, acc[r]);
             }
@@ -786,7 +840,7 @@ inline void dots8_rows(int64_t nr, const Seg& sg, int64_t b, int64_t h, int64_t 
 #if KVCERT_AVX2
 // The output sums o_r += w_rj v~_j over tokens [j0, j1) of segment 0 when its values are of a register kind (row_kind)
 // and D is a multiple of 32: v~ decoded in registers as seg_row decodes it (symmetric: code * scale, exact; asymmetric:
-// fl(code * scale + zero), asym_row's operations), 32 channels at a time, used by NR <= 3 rows at once (NR x 4
+// fl(code * scale + zero), asym_row's operations; fp8: fp8_row's), 32 channels at a time, used by NR <= 3 rows at once (NR x 4
 // accumulators, kept in po between calls), each (row, channel) the same fma sequence in token order as the buffered loop
 // in run (a row skips w = 0 as it does): the same bits. lg: the (b, h) logits base ([R][N] weights).
 template <int NR, bool ONE_SCALE, int KIND>
@@ -803,14 +857,25 @@ void out_rows(const Seg& sg, int64_t b, int64_t h, int64_t j0, int64_t j1, int64
         for (int64_t j = j0; j < j1; ++j) {
             const uint8_t* code = KIND == K_ASYM ? (const uint8_t*)sg.v + b * sg.v_sb + h * sg.v_sh + j * (D * bits / 8)
                                                  : (const uint8_t*)sg.v + row_off(sg, sg.v_sb, sg.v_sh, b, h, j, KIND == K_INT4 ? D / 2 : D);
-            const uint16_t* sc = KIND == K_ASYM ? sg.vs + b * sg.vs_sb + h * sg.vs_sh + j * ng : sg.vs + row_off(sg, sg.vs_sb, sg.vs_sh, b, h, j, ng);
-            const uint16_t* zc = KIND == K_ASYM ? sg.vz + b * sg.vz_sb + h * sg.vz_sh + j * ng : nullptr;
             float w[NR];
             bool all = true;
             for (int r = 0; r < NR; ++r) {
                 w[r] = lg[r * N + j];
                 all = all && w[r] != 0.0f;
             }
+            if (KIND == K_FP8) {  // fp8_row's operations: fl(fl(fl(c pre) s) post)
+                const float s = sg.vs8 ? sg.vs8[row_off(sg, sg.vs_sb, sg.vs_sh, b, h, j, 1)] : sg.f8scale;
+                const __m256 pre8 = _mm256_set1_ps(sg.f8pre), s8 = _mm256_set1_ps(s), post8 = _mm256_set1_ps(sg.f8post);
+                for (int c = 0; c < 4; ++c) {
+                    const __m256 f = fp8_bits(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(code + d0 + 8 * c))), sg.f8fmt);
+                    const __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(f, pre8), s8), post8);
+                    for (int r = 0; r < NR; ++r)
+                        if (all || w[r] != 0.0f) acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(w[r]), v, acc[r][c]);
+                }
+                continue;
+            }
+            const uint16_t* sc = KIND == K_ASYM ? sg.vs + b * sg.vs_sb + h * sg.vs_sh + j * ng : sg.vs + row_off(sg, sg.vs_sb, sg.vs_sh, b, h, j, ng);
+            const uint16_t* zc = KIND == K_ASYM ? sg.vz + b * sg.vz_sb + h * sg.vz_sh + j * ng : nullptr;
             const __m256 s1 = _mm256_set1_ps(half_to_float(sc[gi[0]]));
             const __m256 z1 = KIND == K_ASYM ? _mm256_set1_ps(half_to_float(zc[gi[0]])) : s1;
             for (int c = 0; c < 4; ++c) {
@@ -857,7 +922,8 @@ int64_t reg_out(const Args& a, int64_t b, int64_t h, int64_t j0, int64_t j1, con
         float* p = po + r0 * a.D;
         if (kind == K_INT8) out_rows_n<K_INT8>(nr, one, sg, b, h, j0, j1, a.D, a.ngv, l, N, p);
         else if (kind == K_INT4) out_rows_n<K_INT4>(nr, one, sg, b, h, j0, j1, a.D, a.ngv, l, N, p);
-        else out_rows_n<K_ASYM>(nr, one, sg, b, h, j0, j1, a.D, a.ngv, l, N, p);
+        else if (kind == K_ASYM) out_rows_n<K_ASYM>(nr, one, sg, b, h, j0, j1, a.D, a.ngv, l, N, p);
+        else out_rows_n<K_FP8>(nr, one, sg, b, h, j0, j1, a.D, a.ngv, l, N, p);
     }
     return j1;
 }
@@ -1056,7 +1122,21 @@ inline void dither_sums(const Seg& sg, const float* w, const uint8_t* o, const f
     out[2] = (double)cm;
 }
 
-void run(const Args& a) {
+void run_args(const Args& a);
+
+// The kernel on a copy of the arguments with the fields it sets itself (Seg.f8fmt)
+void run(const Args& in) {
+    Args a = in;
+    for (Seg& sg : a.seg) {
+        sg.f8fmt = 0;
+#if KVCERT_AVX2
+        if (sg.n && sg.fp8) sg.f8fmt = fp8_format(sg.f8lut);
+#endif
+    }
+    run_args(a);
+}
+
+void run_args(const Args& a) {
     const int64_t B = a.B, T = a.T, H = a.H, Hkv = a.Hkv, D = a.D, NB = a.NB;
     const int64_t G = H / Hkv, R = T * G;
     const int64_t N0 = a.seg[0].n, N1 = a.seg[1].n, N = N0 + N1;
@@ -1198,7 +1278,8 @@ void run(const Args& a) {
                     const float* q0 = &qr[r0 * D];
                     if (kkind == K_INT8) dots8_rows<K_INT8>(nr, sg, b, h, j, D, a.ngk, q0, ab, gm, km);
                     else if (kkind == K_INT4) dots8_rows<K_INT4>(nr, sg, b, h, j, D, a.ngk, q0, ab, gm, km);
-                    else dots8_rows<K_ASYM>(nr, sg, b, h, j, D, a.ngk, q0, ab, gm, km);
+                    else if (kkind == K_ASYM) dots8_rows<K_ASYM>(nr, sg, b, h, j, D, a.ngk, q0, ab, gm, km);
+                    else dots8_rows<K_FP8>(nr, sg, b, h, j, D, a.ngk, q0, ab, gm, km);
                     for (int64_t r = r0; r < r0 + nr; ++r) {
                         __m256 acc[8];
                         for (int t = 0; t < 8; ++t) acc[t] = _mm256_load_ps(ab + ((r - r0) * 8 + t) * 8);
@@ -1657,11 +1738,22 @@ int epilogue(const double* st, int64_t rows, const EpiConst& k, float* out) {
 
 extern "C" {
 
-int kvcert_fused_abi() { return 7; }
+int kvcert_fused_abi() { return 8; }
 
 int kvcert_fused_avx2() { return KVCERT_AVX2; }
 
 int kvcert_lut_is_grid(const float* lut) { return lut_is_grid(lut); }
+
+// the fp8 format whose bit-arithmetic decode the kernel uses for this table (fp8_format; 0: the table gather, or the
+// scalar build, which always gathers)
+int kvcert_fp8_format(const float* lut) {
+#if KVCERT_AVX2
+    return fp8_format(lut);
+#else
+    (void)lut;
+    return 0;
+#endif
+}
 
 float kvcert_kappa(const float* q, int64_t n, int64_t D, const int64_t* bands, int64_t NB, int64_t W, double s64, double margin,
                    double* k64, float* k32) {
