@@ -729,16 +729,16 @@ inline __m256 tree_lanes(const __m256* acc) {
 }
 
 // The register paths' row kinds (-1: none, the buffered loops): symmetric int8 or int4 codes with scale groups of a
-// multiple of 8 channels, fp8 bytes of a format fp8_bits decodes, or asymmetric codes without dither (keys: no
-// rotation, blocks of a multiple of 8 tokens, so that 8 tokens share one block's scales and zeros; values: groups of a
-// multiple of 8 channels)
+// multiple of 8 channels, fp8 bytes of a format fp8_bits decodes, or asymmetric codes without dither (keys: blocks of a
+// multiple of 8 tokens, so that 8 tokens share one block's scales and zeros, rotated at read only when D is a multiple of
+// 16; values: groups of a multiple of 8 channels)
 enum Kind { K_INT8 = 0, K_INT4 = 1, K_ASYM = 2, K_FP8 = 3 };
 
 inline int row_kind(const Seg& sg, bool values, int64_t ng, int64_t D) {
     if (sg.n && sg.fp8) return sg.f8fmt ? K_FP8 : -1;  // fp8 bytes: where fp8_bits is the table (run: fp8_format)
     if (!sg.n || !sg.coded || sg.f16 || sg.dith) return -1;
     if (values ? sg.vasym : sg.kasym)
-        return (values ? quot(D, ng) % 8 == 0 : (!sg.rcos && sg.kblk % 8 == 0)) ? K_ASYM : -1;
+        return (values ? quot(D, ng) % 8 == 0 : (sg.kblk % 8 == 0 && (!sg.rcos || D % 16 == 0))) ? K_ASYM : -1;
     if (quot(D, ng) % 8) return -1;
     return sg.int4 ? K_INT4 : K_INT8;
 }
@@ -791,7 +791,33 @@ inline void dots8(const Seg& sg, int64_t b, int64_t h, int64_t j, int64_t D, int
     for (int t = 0; t < 8; ++t) {
         __m256 acc[NR];
         for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
-        if (KIND == K_ASYM) {
+        if (KIND == K_ASYM && sg.rcos) {
+            // pre-RoPE keys: asym_row's rotation of channels i and i + D / 2 (fl(fl(x_i c) + fl(-x_{i+D/2} s)),
+            // fl(fl(x_{i+D/2} c) + fl(x_i s))) on both decoded blocks at once; the upper half's rows wait in hi so that
+            // the dot product still takes d in order
+            const int bits = sg.kasym;
+            const uint8_t* code = (const uint8_t*)sg.k + b * sg.k_sb + h * sg.k_sh + (j + t) * (D * bits / 8);
+            const int64_t hd = D / 2;
+            const float* cs = sg.rcos + (sg.rpos0 + j + t) * hd;
+            const float* sn = sg.rsin + (sg.rpos0 + j + t) * hd;
+            const __m256 neg = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
+            alignas(32) float hi[256];
+            for (int64_t i = 0; i < hd; i += 8) {
+                const __m256 x0 = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(codes8(code, bits, i)), _mm256_load_ps(sz + i)),
+                                                _mm256_load_ps(sz + D + i));
+                const __m256 x1 = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(codes8(code, bits, i + hd)), _mm256_load_ps(sz + i + hd)),
+                                                _mm256_load_ps(sz + D + i + hd));
+                const __m256 c8 = _mm256_loadu_ps(cs + i), s8 = _mm256_loadu_ps(sn + i);
+                const __m256 lo = _mm256_add_ps(_mm256_mul_ps(x0, c8), _mm256_mul_ps(_mm256_xor_ps(x1, neg), s8));
+                const __m256 up = _mm256_add_ps(_mm256_mul_ps(x1, c8), _mm256_mul_ps(x0, s8));
+                _mm256_store_ps(hi + i, up);
+                _mm256_storeu_ps(km + D + i, _mm256_max_ps(_mm256_loadu_ps(km + D + i), _mm256_and_ps(lo, absm)));
+                _mm256_storeu_ps(km + D + i + hd, _mm256_max_ps(_mm256_loadu_ps(km + D + i + hd), _mm256_and_ps(up, absm)));
+                for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + i), lo, acc[r]);
+            }
+            for (int64_t i = 0; i < hd; i += 8)
+                for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + hd + i), _mm256_load_ps(hi + i), acc[r]);
+        } else if (KIND == K_ASYM) {
             const int bits = sg.kasym;
             const uint8_t* code = (const uint8_t*)sg.k + b * sg.k_sb + h * sg.k_sh + (j + t) * (D * bits / 8);
             for (int64_t d = 0; d < D; d += 8) {
