@@ -10,11 +10,15 @@ the torch extension headers take minutes to compile on 2 cores; a plain C ABI (c
 pointers and strides) builds in seconds with no torch headers, so CI builds it from a clean
 clone. OpenMP threads come from the libgomp torch already loaded (same soname). The plain-torch
 twin stays the readable reference (fast.core.attention.attention_rows) and the fallback.
-With AVX2 + FMA (-march=native) two loops use intrinsics: pass 1 takes 8 key tokens at a time (8
+With AVX2 + FMA (-march=native) the loops use intrinsics: pass 1 takes 8 key tokens at a time (8
 accumulators per row, the 8 lane sums added by an hadd transpose) and pass 2 keeps the output in
-registers (64 channels per row, the chunk's values dequantized once), the witness log codes decode in
-registers (the table is a power grid, checked per call) and the certificate sums run in 8 lanes; all run the scalar code's
-operations in its order, so a -DKVCERT_SCALAR build gives the same bits (tests/test_cpu_fused.py).
+registers (64 channels per row), the witness log codes decode in registers (the table is a power grid, checked per
+call) and the certificate sums run in 8 lanes. For up to 8 rows per KV head (a decode read: the GQA group) the codes of
+int8, int4, kivi2, pre-RoPE keys and fp8 are decoded in registers and used there (csrc: row_kind, dots8, out_rows: each
+key row dotted with up to 4 query rows, each value row added into up to 3 rows' accumulators, no decoded copy written);
+fp8 bytes decode by bit arithmetic where the kernel finds it gives every entry of the read's table (fp8_format, per
+call), else by the table gather. All run the scalar code's operations in its order, so a -DKVCERT_SCALAR build gives
+the same bits (tests/test_cpu_fused.py).
 
     out, cert = cpu_fused.attention_rows(q, k, v, rho, scale, bands=..., q_pos=...)  # the contract
     cpu_fused.available()                                                           # built and loadable?
