@@ -121,7 +121,7 @@ inline float half_to_float(uint16_t h) {
     // signalling NaN comes back quiet, still a NaN)
 #if KVCERT_AVX2 && defined(__F16C__)
     return _cvtsh_ss(h);
-#endif
+#else
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
     uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
     uint32_t bits;
@@ -141,6 +141,7 @@ inline float half_to_float(uint16_t h) {
     float out;
     std::memcpy(&out, &bits, 4);
     return out;
+#endif
 }
 
 struct Seg {
@@ -568,6 +569,19 @@ inline int fp8_format(const float* lut) {
 }
 #endif
 
+#if KVCERT_AVX2
+// 8 fp8 bytes at p as fp8_row decodes them: fl(fl(fl(c pre) s) post), c their value (fp8_bits of format fmt)
+inline __m256 fp8_8(const uint8_t* p, int fmt, __m256 pre8, __m256 s8, __m256 post8) {
+    const __m256 c = fp8_bits(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)), fmt);
+    return _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(c, pre8), s8), post8);
+}
+
+// channels d .. d + 7 of a row of asymmetric codes as asym_row decodes them (no dither): fl(code * scale + zero)
+inline __m256 asym8(const uint8_t* code, int bits, int64_t d, __m256 s8, __m256 z8) {
+    return _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(codes8(code, bits, d)), s8), z8);
+}
+#endif
+
 // Row jj of an fp8 segment (Seg: fp8) decoded into buf; smax (keys): per channel max |k~| into smax[D + d], as for
 // fp32 rows. The AVX2 loop runs the scalar loop's products in its order (the same bits: tests/test_cpu_fused.py).
 inline const float* fp8_row(const Seg& sg, bool values, int64_t b, int64_t h, int64_t jj, int64_t D, float* buf, float* smax) {
@@ -803,10 +817,8 @@ inline void dots8(const Seg& sg, int64_t b, int64_t h, int64_t j, int64_t D, int
             const __m256 neg = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
             alignas(32) float hi[256];
             for (int64_t i = 0; i < hd; i += 8) {
-                const __m256 x0 = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(codes8(code, bits, i)), _mm256_load_ps(sz + i)),
-                                                _mm256_load_ps(sz + D + i));
-                const __m256 x1 = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(codes8(code, bits, i + hd)), _mm256_load_ps(sz + i + hd)),
-                                                _mm256_load_ps(sz + D + i + hd));
+                const __m256 x0 = asym8(code, bits, i, _mm256_load_ps(sz + i), _mm256_load_ps(sz + D + i));
+                const __m256 x1 = asym8(code, bits, i + hd, _mm256_load_ps(sz + i + hd), _mm256_load_ps(sz + D + i + hd));
                 const __m256 c8 = _mm256_loadu_ps(cs + i), s8 = _mm256_loadu_ps(sn + i);
                 const __m256 lo = _mm256_add_ps(_mm256_mul_ps(x0, c8), _mm256_mul_ps(_mm256_xor_ps(x1, neg), s8));
                 const __m256 up = _mm256_add_ps(_mm256_mul_ps(x1, c8), _mm256_mul_ps(x0, s8));
@@ -821,8 +833,7 @@ inline void dots8(const Seg& sg, int64_t b, int64_t h, int64_t j, int64_t D, int
             const int bits = sg.kasym;
             const uint8_t* code = (const uint8_t*)sg.k + b * sg.k_sb + h * sg.k_sh + (j + t) * (D * bits / 8);
             for (int64_t d = 0; d < D; d += 8) {
-                const __m256 k = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(codes8(code, bits, d)), _mm256_load_ps(sz + d)),
-                                               _mm256_load_ps(sz + D + d));
+                const __m256 k = asym8(code, bits, d, _mm256_load_ps(sz + d), _mm256_load_ps(sz + D + d));
                 _mm256_storeu_ps(km + D + d, _mm256_max_ps(_mm256_loadu_ps(km + D + d), _mm256_and_ps(k, absm)));
                 for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d), k, acc[r]);
             }
@@ -831,8 +842,7 @@ inline void dots8(const Seg& sg, int64_t b, int64_t h, int64_t j, int64_t D, int
             const float s = sg.ks8 ? sg.ks8[row_off(sg, sg.ks_sb, sg.ks_sh, b, h, j + t, 1)] : sg.f8scale;
             const __m256 pre8 = _mm256_set1_ps(sg.f8pre), s8 = _mm256_set1_ps(s), post8 = _mm256_set1_ps(sg.f8post);
             for (int64_t d = 0; d < D; d += 8) {
-                const __m256 c = fp8_bits(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(code + d))), sg.f8fmt);
-                const __m256 k = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(c, pre8), s8), post8);
+                const __m256 k = fp8_8(code + d, sg.f8fmt, pre8, s8, post8);
                 _mm256_storeu_ps(km + D + d, _mm256_max_ps(_mm256_loadu_ps(km + D + d), _mm256_and_ps(k, absm)));
                 for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d), k, acc[r]);
             }
@@ -893,8 +903,7 @@ void out_rows(const Seg& sg, int64_t b, int64_t h, int64_t j0, int64_t j1, int64
                 const float s = sg.vs8 ? sg.vs8[row_off(sg, sg.vs_sb, sg.vs_sh, b, h, j, 1)] : sg.f8scale;
                 const __m256 pre8 = _mm256_set1_ps(sg.f8pre), s8 = _mm256_set1_ps(s), post8 = _mm256_set1_ps(sg.f8post);
                 for (int c = 0; c < 4; ++c) {
-                    const __m256 f = fp8_bits(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(code + d0 + 8 * c))), sg.f8fmt);
-                    const __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(f, pre8), s8), post8);
+                    const __m256 v = fp8_8(code + d0 + 8 * c, sg.f8fmt, pre8, s8, post8);
                     for (int r = 0; r < NR; ++r)
                         if (all || w[r] != 0.0f) acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(w[r]), v, acc[r][c]);
                 }
@@ -908,8 +917,7 @@ void out_rows(const Seg& sg, int64_t b, int64_t h, int64_t j0, int64_t j1, int64
                 const __m256 sv = ONE_SCALE ? s1 : _mm256_set1_ps(half_to_float(sc[gi[c]]));
                 __m256 v;
                 if (KIND == K_ASYM)
-                    v = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(codes8(code, bits, d0 + 8 * c)), sv),
-                                      ONE_SCALE ? z1 : _mm256_set1_ps(half_to_float(zc[gi[c]])));
+                    v = asym8(code, bits, d0 + 8 * c, sv, ONE_SCALE ? z1 : _mm256_set1_ps(half_to_float(zc[gi[c]])));
                 else
                     v = sym8<KIND == K_INT4>(code, d0 + 8 * c, sv);
                 for (int r = 0; r < NR; ++r)
@@ -952,6 +960,17 @@ int64_t reg_out(const Args& a, int64_t b, int64_t h, int64_t j0, int64_t j1, con
         else out_rows_n<K_FP8>(nr, one, sg, b, h, j0, j1, a.D, a.ngv, l, N, p);
     }
     return j1;
+}
+#endif
+
+#if KVCERT_AVX2
+// Pass 1's end for row r and 8 tokens [j, j + 8): the logits x stored, their NaN check added in (x * 0), and the row's
+// readable flags (readable, and at a position the row sees)
+inline void store_logits8(__m256 x, float* lg, uint8_t* okr, int64_t N, int64_t r, int64_t j, const uint8_t* vj,
+                          const int64_t* pj, int64_t qp, __m256& nanv) {
+    _mm256_storeu_ps(lg + r * N + j, x);
+    nanv = _mm256_add_ps(nanv, _mm256_mul_ps(x, _mm256_setzero_ps()));
+    for (int t = 0; t < 8; ++t) okr[r * N + j + t] = vj[t] && pj[t] <= qp;
 }
 #endif
 
@@ -1281,9 +1300,7 @@ void run_args(const Args& a) {
                     const __m256 dot = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])),
                                                      _mm256_add_ps(_mm256_add_ps(acc[4], acc[5]), _mm256_add_ps(acc[6], acc[7])));
                     const __m256 x = _mm256_mul_ps(dot, sv8);
-                    _mm256_storeu_ps(lg + r * N + j, x);
-                    nanv = _mm256_add_ps(nanv, _mm256_mul_ps(x, _mm256_setzero_ps()));
-                    for (int t = 0; t < 8; ++t) okr[r * N + j + t] = vj[t] && pj[t] <= qpr[r];
+                    store_logits8(x, lg, okr, N, r, j, vj, pj, qpr[r], nanv);
                 }
             }
             for (int64_t d = 0; d < D; ++d)
@@ -1310,9 +1327,7 @@ void run_args(const Args& a) {
                         __m256 acc[8];
                         for (int t = 0; t < 8; ++t) acc[t] = _mm256_load_ps(ab + ((r - r0) * 8 + t) * 8);
                         const __m256 x = _mm256_mul_ps(tree_lanes(acc), sv8);
-                        _mm256_storeu_ps(lg + r * N + j, x);
-                        nanv = _mm256_add_ps(nanv, _mm256_mul_ps(x, _mm256_setzero_ps()));
-                        for (int t = 0; t < 8; ++t) okr[r * N + j + t] = vj[t] && pj[t] <= qpr[r];
+                        store_logits8(x, lg, okr, N, r, j, vj, pj, qpr[r], nanv);
                     }
                 }
             }
@@ -1334,9 +1349,7 @@ void run_args(const Args& a) {
                     for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[t] + d), acc[t]);
                 }
                 const __m256 x = _mm256_mul_ps(tree_lanes(acc), sv8);
-                _mm256_storeu_ps(lg + r * N + j, x);
-                nanv = _mm256_add_ps(nanv, _mm256_mul_ps(x, _mm256_setzero_ps()));
-                for (int t = 0; t < 8; ++t) okr[r * N + j + t] = vj[t] && pj[t] <= qpr[r];
+                store_logits8(x, lg, okr, N, r, j, vj, pj, qpr[r], nanv);
             }
         }
         {
