@@ -606,15 +606,19 @@ def _kernel_args(bad):
         "lut_short": lambda: r.update(lut=r["lut"][:128]), "no_witness": lambda: a.update(rho=None),
         "scale_nan": lambda: r.update(s=float("nan")), "tail_codes": None,
     }
+    late = bad in run_bad and bad not in ("no_witness", "tail_codes")  # bad _run arguments, after a good call
     if bad in seg_bad:
         seg_bad[bad]()
-    elif run_bad.get(bad) is not None:
+    elif run_bad.get(bad) is not None and not late:
         run_bad[bad]()
     s0 = cpu_fused.seg(Hkv, a["k"].shape[2], **a)
     if bad == "tail_codes":  # segment 1 is read as exact fp32 rows (c = 0): codes or a witness there are refused
         s1 = cpu_fused.seg(Hkv, N0, **a)
     else:
         s1 = cpu_fused.seg(t["k"].shape[1], t["k"].shape[2], **t)
+    if late:  # the same segments, bands and table passed _run's checks once: its check cache must not let a bad one by
+        cpu_fused._run(r["q"], r["qpos"], [s0, s1], r["s"], r["bands"], r["ngk"], r["ngv"], r["certify"], r["lut"])
+        run_bad[bad]()
     return cpu_fused._run(r["q"], r["qpos"], [s0, s1], r["s"], r["bands"], r["ngk"], r["ngv"], r["certify"], r["lut"])
 
 

@@ -194,8 +194,8 @@ def test_gated_second_turn_rows_match_the_meter(monkeypatch):
 
 def test_readable_flags_changed_in_place_are_read():
     """Segment 0 is reused across steps (appends to the tail do not rebuild it), and segment 1's buffers too
-    (a step copies in its new tail rows), but a readable flag of a quantized token or of a sink changed in place
-    is read at the next step: the same logits and certificates as a run that rebuilds every segment at every
+    (update writes the new tail rows there), but a readable flag of a quantized token, a sink or a tail token changed
+    in place is read at the next step: the same logits and certificates as a run that rebuilds every segment at every
     step (a stale segment would still read the masked tokens), and different from a run without the masks."""
     ids = tiny_ids(B=2, N=60)
     nqs = set()
@@ -206,6 +206,9 @@ def test_readable_flags_changed_in_place_are_read():
             for layer in cache.layers:
                 layer.valid[1, :, 20 + t] = False  # a quantized token of row 1
                 layer.valid[0, :, t // 2] = False  # a sink of row 0
+        if t == 3:  # alone: segment 0 is reused, segment 1's flags must be copied again
+            for layer in cache.layers:
+                layer.valid[1, :, layer.nq + 1] = False  # an exact tail token of row 1
         for layer in cache.layers:
             if rebuild:
                 layer._seg0 = layer._seg1 = None

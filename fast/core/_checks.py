@@ -78,15 +78,24 @@ def positive_int(name, n):
 
 
 def bands_tensor(bands, D):
-    """bands: LongTensor [NB, D // NB] partitioning range(D) (as built by rope_bands)."""
+    """bands: LongTensor [NB, D // NB] partitioning range(D) (as built by rope_bands). The partition check runs
+    once per tensor and version (a cache's bands are checked on every witness call: a sort and a copy each)."""
     tensor("bands", bands, ndim=2, dtypes=(torch.int64, torch.int32))
     NB, W = bands.shape
     if NB * W != D:
         raise ValueError(f"bands: shape {tuple(bands.shape)} does not cover head dim D = {D}")
-    flat = bands.reshape(-1).to(torch.int64).cpu()
-    if not torch.equal(torch.sort(flat).values, torch.arange(D)):
-        raise ValueError("bands: must be a partition of range(D) (every coordinate exactly once)")
+    seen = _BANDS_SEEN.get(id(bands))
+    if seen is None or seen[0] is not bands or seen[1] != bands._version:
+        flat = bands.reshape(-1).to(torch.int64).cpu()
+        if not torch.equal(torch.sort(flat).values, torch.arange(D)):
+            raise ValueError("bands: must be a partition of range(D) (every coordinate exactly once)")
+        if len(_BANDS_SEEN) > 256:
+            _BANDS_SEEN.clear()
+        _BANDS_SEEN[id(bands)] = (bands, bands._version)  # the tensor is kept: its id cannot pass to another
     return bands.to(torch.int64)
+
+
+_BANDS_SEEN = {}  # id(bands) -> (bands, version) of a bands tensor found to partition range(D), D = its numel
 
 
 def gqa(H, Hkv):

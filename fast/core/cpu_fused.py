@@ -182,7 +182,7 @@ def _run(q, qpos, segs, s, bands, ngk, ngv, certify, lut=None, scalar=False, out
     bound's sums (csrc Args.vstats: segment 0's v_err, seg()): vstats [B, T, H, 3] fp64 (sum_j w_j e_j, max e_j,
     max r_j >= ||v~_j - centre||, over each row's tokens) and vmax [B, Hkv, D] fp32 (max |v~| per channel), for
     fast.core.attention.output_error_from_sums."""
-    B, T, H, D, NB = _check_run(q, qpos, segs, s, bands, ngk, ngv, certify, lut)
+    B, T, H, D, NB = _checked_run(q, qpos, segs, s, bands, ngk, ngv, certify, lut)
     if dither_F is not None:
         if not (certify and segs[0]["c"].n and segs[0]["c"].dith):
             raise ValueError("dither_F: for a certified read whose segment 0 holds dithered codes")
@@ -241,6 +241,27 @@ def _scratch(n):
         kmax = _SCRATCH.kmax = (ctypes.c_float * max(n, 1024))()
         _SCRATCH.nan = (ctypes.c_float * 2)()
     return kmax, _SCRATCH.nan
+
+
+def _checked_run(q, qpos, segs, s, bands, ngk, ngv, certify, lut):
+    """_check_run, skipped when this thread's last call checked the same objects (the segments, bands at the same
+    version, lut; kept referenced, so their ids cannot pass to others) with the same shapes, counts and arguments:
+    a decode step's reads of one layer differ only in q's and qpos's contents and segment 1's length (n >= 1 both
+    times, so the checks that depend on it give the same answer)."""
+    if not (isinstance(q, torch.Tensor) and isinstance(qpos, torch.Tensor) and isinstance(segs, (list, tuple))
+            and len(segs) == 2 and all(isinstance(sg, dict) and "c" in sg for sg in segs)):
+        return _check_run(q, qpos, segs, s, bands, ngk, ngv, certify, lut)
+    objs = (segs[0], segs[1], bands, lut)
+    key = (tuple(q.shape), q.dtype, q.is_contiguous(), q.device.type, tuple(qpos.shape), qpos.dtype, qpos.is_contiguous(),
+           qpos.device.type, segs[0]["c"].n > 0, segs[1]["c"].n > 0, getattr(bands, "_version", None),
+           getattr(bands, "shape", None), getattr(lut, "shape", None), getattr(lut, "_version", None), ngk, ngv,
+           certify, s if isinstance(s, float) else None)
+    last = getattr(_SCRATCH, "checked", None)
+    if last is not None and key[-1] is not None and last[1] == key and all(a is b for a, b in zip(last[0], objs)):
+        return last[2]
+    res = _check_run(q, qpos, segs, s, bands, ngk, ngv, certify, lut)
+    _SCRATCH.checked = (objs, key, res)
+    return res
 
 
 def _check_run(q, qpos, segs, s, bands, ngk, ngv, certify, lut):

@@ -89,6 +89,17 @@ def _log_table(device):
     return table.to(device)
 
 
+_TABLES = {}
+
+
+def _table(device):
+    """_log_table(device), built once per device, for pack / unpack (never written: they only read it)."""
+    key = str(device)
+    if key not in _TABLES:
+        _TABLES[key] = _log_table(device)
+    return _TABLES[key]
+
+
 _LUT32 = []
 
 
@@ -113,7 +124,7 @@ def pack_witness(rho):
     """
     _checks.tensor("rho", rho, dtypes=IN_DTYPES)
     _checks.nonneg_finite("rho", rho)
-    table = _log_table(rho.device)
+    table = _table(rho.device)
     r = rho.to(torch.float32)
     return torch.searchsorted(table, r.contiguous(), right=False).to(torch.uint8)  # first table[i] >= r
 
@@ -121,7 +132,7 @@ def pack_witness(rho):
 def unpack_witness(codes):
     """fp32 witness from uint8 log codes (>= the packed rho)."""
     _checks.tensor("codes", codes, dtypes=(torch.uint8,))
-    return _log_table(codes.device)[codes.long()]
+    return _table(codes.device)[codes.long()]
 
 
 def _check_scale(scale):

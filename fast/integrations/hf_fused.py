@@ -120,14 +120,20 @@ class FusedLayer(CertifiedLayer):
         va = self.valid.view(u8)  # [B, Hkv, N], bool as bytes (no copy)
         E = self.ex_idx.shape[2]
         # the quantized part changes only when a block is flushed (nq, the codes buffer) or when the
-        # readable flags of its tokens or of the overlay change (compared by content: every step's
-        # append to the tail bumps valid's version, which must not rebuild segment 0)
+        # readable flags of its tokens or of the overlay change: unchanged when no write but update's appends touched
+        # valid since the segment was built (valid_epoch) and ex_on is the same tensor at the same version, else
+        # compared by content (every step's append to the tail bumps valid's version, which must not rebuild segment 0)
         stored = self.kq.f["codes" if "codes" in self.kq.f else "x"] if nq else None  # codes, or fp16 rows (registered)
         key0 = (nq, E, stored.buf.data_ptr() if nq else 0, self.cache.certify, self.ex_idx.data_ptr())
         old = getattr(self, "_seg0", None)
-        if (old is not None and old[0] == key0 and not self.derived and torch.equal(old[2], va[:, :, :nq])
-                and torch.equal(old[3], self.ex_on)):
-            s0, ng, on_u8, ex_pos = old[1]
+        clean = self.valid_unchanged()
+        if (old is not None and old["key"] == key0 and not self.derived
+                and ((clean and old["epoch"] == self.valid_epoch) or torch.equal(old["valid"], va[:, :, :nq]))
+                and ((old["ex_on"] is self.ex_on and old["ex_ver"] == self.ex_on._version)
+                     or torch.equal(old["on_copy"], self.ex_on))):
+            s0, ng, on_u8, ex_pos = old["seg"]
+            if clean:
+                old["epoch"] = self.valid_epoch
         else:
             on = self.ex_on
             if E:
@@ -150,36 +156,56 @@ class FusedLayer(CertifiedLayer):
                 ng = s0["ng"]
             else:
                 s0, ng = cpu_fused.seg(Hkv, 0), (1, 1)
-            self._seg0 = (key0, (s0, ng, on_u8, ex_pos), va[:, :, :nq].clone(), self.ex_on.clone())
-        return [s0, self._segment1(nq, E, on_u8, ex_pos, va)], ng
+            self._seg0 = {"key": key0, "seg": (s0, ng, on_u8, ex_pos), "valid": va[:, :, :nq].clone(),
+                          "epoch": self.valid_epoch if clean else -1, "ex_on": self.ex_on,
+                          "ex_ver": self.ex_on._version, "on_copy": self.ex_on.clone()}
+        return [s0, self._segment1(nq, E, on_u8, ex_pos, va, clean)], ng
 
-    def _segment1(self, nq, E, on_u8, ex_pos, va):
-        """Segment 1: the E exact overlay rows, then the R exact tail rows, in buffers kept across steps. A step copies
-        in only its new tail rows and the tail's readable flags (flags may change in place) and sets the segment's
-        length n = E + R; the buffers and the segment (checked by seg() at their whole capacity, so any n up to it is
-        in bounds) are rebuilt when the quantized part, the overlay or its flags change (a flush, an eviction: _flush /
-        keep_tokens drop them) or the tail outgrows the capacity. The tail is append-only in between (update's cat)."""
+    def _segment1(self, nq, E, on_u8, ex_pos, va, clean):
+        """Segment 1: the E exact overlay rows, then the R exact tail rows, in buffers kept across steps; the tail is a
+        view of them, so a decode step's new rows are written there by update (_append_tail) and a read copies no row.
+        A read copies the tail's readable flags written since the last read, or all of them when valid may have
+        changed otherwise (clean False, or valid_epoch moved: flags may change in place), and sets the segment's
+        length n = E + R. The buffers and the segment (checked by seg() at their whole capacity, so any n up to it is
+        in bounds) are rebuilt, the tail's rows copied in, when the quantized part, the overlay or its flags change (a
+        flush, an eviction: _flush / keep_tokens drop them) or the tail outgrows the capacity."""
         B, Hkv, D = self.B, self.Hkv, self.D
         R = self.k_tail.shape[2]
         key = (nq, E, self.ex_k.data_ptr(), on_u8.data_ptr())
-        st = getattr(self, "_seg1", None)
-        if st is None or st["key"] != key or E + R > st["cap"] or st["rows"] > R:
+        st = self.__dict__.get("_seg1")
+        if st is None or st["key"] != key or E + R > st["cap"] or st["tail"] is not self.k_tail:
             cap = E + max(R, self.cache.window + FLUSH_BLOCK) + 8
             k1, v1 = self.k_tail.new_empty(B, Hkv, cap, D), self.v_tail.new_empty(B, Hkv, cap, D)
             pos = (torch.arange(cap, dtype=torch.int32) + (nq - E)).view(1, 1, cap).expand(B, Hkv, cap).contiguous()
             val = torch.zeros(B, Hkv, cap, dtype=torch.uint8)
             if E:
                 k1[:, :, :E], v1[:, :, :E], pos[:, :, :E], val[:, :, :E] = self.ex_k, self.ex_v, ex_pos, on_u8
-            st = self._seg1 = {"key": key, "cap": cap, "rows": 0, "k": k1, "v": v1, "val": val,
-                               "seg": cpu_fused.seg(Hkv, cap, k=k1, v=v1, valid=val, pos=pos)}
-        rows = st["rows"]
-        if R > rows:
-            st["k"][:, :, E + rows:E + R] = self.k_tail[:, :, rows:]
-            st["v"][:, :, E + rows:E + R] = self.v_tail[:, :, rows:]
-            st["rows"] = R
-        st["val"][:, :, E:E + R] = va[:, :, nq:nq + R]
+            k1[:, :, E:E + R], v1[:, :, E:E + R] = self.k_tail, self.v_tail
+            self.k_tail, self.v_tail = k1.narrow(2, E, R), v1.narrow(2, E, R)  # the same rows, in the segment's buffers
+            st = self._seg1 = {"key": key, "cap": cap, "E": E, "k": k1, "v": v1, "val": val, "flags": 0, "epoch": -1,
+                               "tail": self.k_tail, "seg": cpu_fused.seg(Hkv, cap, k=k1, v=v1, valid=val, pos=pos)}
+        fresh = st["flags"] if clean and st["epoch"] == self.valid_epoch else 0  # flags before it: copied and current
+        if R > fresh:
+            st["val"][:, :, E + fresh:E + R] = va[:, :, nq + fresh:nq + R]
+        st["flags"], st["epoch"] = R, (self.valid_epoch if clean else -1)
         st["seg"]["c"].n = E + R
         return st["seg"]
+
+    def _append_tail(self, key_states, value_states):
+        """New exact rows written into segment 1's buffers, the tail a view of them (no copy at the next read), while
+        the tail is still the view _segment1 left and there is room; else as CertifiedLayer (a cat: the next read
+        rebuilds segment 1)."""
+        st = self.__dict__.get("_seg1")
+        n = key_states.shape[2]
+        if (st is None or st["tail"] is not self.k_tail or st["E"] + self.k_tail.shape[2] + n > st["cap"]
+                or key_states.shape != (self.B, self.Hkv, n, self.D) or value_states.shape != key_states.shape
+                or key_states.dtype != st["k"].dtype or value_states.dtype != st["k"].dtype):
+            return super()._append_tail(key_states, value_states)  # (a cat: it refuses what does not fit)
+        E, R = st["E"], self.k_tail.shape[2]
+        st["k"].narrow(2, E + R, n).copy_(key_states)
+        st["v"].narrow(2, E + R, n).copy_(value_states)
+        self.k_tail, self.v_tail = st["k"].narrow(2, E, R + n), st["v"].narrow(2, E, R + n)
+        st["tail"] = self.k_tail
 
     def keep_tokens(self, index):
         self._seg1 = None  # the tail and the overlay are rebuilt: so is segment 1
@@ -223,7 +249,8 @@ def fused_read(layer, query, scale):
     """query [B, H, T, D] (post-RoPE) over the layer's cache; returns [B, T, H, D] in query's dtype."""
     cache = layer.cache
     B, H, T, D = query.shape
-    q = query.transpose(1, 2).to(torch.float32).contiguous()  # [B, T, H, D]; NaN/Inf: the kernel's flag
+    q = query.transpose(1, 2)
+    q = (q if q.dtype == torch.float32 else q.to(torch.float32)).contiguous()  # [B, T, H, D]; NaN/Inf: the kernel's flag
     n = layer.n
     if T == 1:  # a decode read (torch.full: a quarter of arange + expand's time)
         qpos = torch.full((B, 1), n - 1, dtype=torch.int32)
@@ -244,7 +271,7 @@ def fused_read(layer, query, scale):
         cache._pending.append((layer, stats, n, q, dstats[0] if dstats else None))
         if layer.layer_idx == cache.num_layers - 1:
             flush_certificates(cache)
-    return out.to(query.dtype)
+    return out if query.dtype == torch.float32 else out.to(query.dtype)
 
 
 def _gated(layer, q, qpos, scale, out, stats, dstats, vres=None):

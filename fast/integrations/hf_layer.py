@@ -60,6 +60,8 @@ class CertifiedLayer(CacheLayerMixin):
         self.ex_on = None      # [B, Hkv, E] bool (False = padding entry, a no-op)
         self.ex_k = self.ex_v = None
         self.valid = None      # [B, Hkv, N] bool: False = padding token
+        self.valid_epoch = 0   # changes of `valid` not made by update's appends (in place, or replaced): _append_valid
+        self._valid_mark = None
         self.exact_k = self.exact_v = None  # full exact copy (shadow and/or full offload)
         self.res_k = self.res_v = None      # residual offload tier (Stored) and its witness
         self.res_rho = None
@@ -141,10 +143,8 @@ class CertifiedLayer(CacheLayerMixin):
         start = self.n
         n_new = key_states.shape[2]
         self.seen += n_new
-        self.k_tail = torch.cat([self.k_tail, key_states], dim=2)
-        self.v_tail = torch.cat([self.v_tail, value_states], dim=2)
-        ones = torch.ones(self.B, self.Hkv, n_new, dtype=torch.bool, device=self.device)
-        self._append("valid", ones)
+        self._append_tail(key_states, value_states)
+        self._append_valid(n_new)
         if self.exact_k is not None:
             self._append("exact_k", key_states)
             self._append("exact_v", value_states)
@@ -156,6 +156,32 @@ class CertifiedLayer(CacheLayerMixin):
         else:
             self.served_k, self.served_v = self.served(scratch=True)
         return self.served_k, self.served_v
+
+    def _append_tail(self, key_states, value_states):
+        """The new tokens' exact rows after the tail's (hf_fused.FusedLayer writes them into its read's buffers)."""
+        self.k_tail = torch.cat([self.k_tail, key_states], dim=2)
+        self.v_tail = torch.cat([self.v_tail, value_states], dim=2)
+
+    def _append_valid(self, n):
+        """n readable flags appended to `valid`. valid_epoch counts every other change of the flags (an in-place write
+        such as a padding mask's, or a new tensor): its buffer and version are compared with what the last append left
+        (the buffer object is kept, so its id and version cannot pass to another tensor). A reader that keeps a copy
+        of the flags (hf_fused's segments) compares the epoch instead of the flags."""
+        g = self._grow.get("valid")
+        mark = self._valid_mark
+        if mark is None or g is None or g.buf is not mark[0] or g.buf._version != mark[1]:
+            self.valid_epoch += 1
+        ones = self.__dict__.get("_ones")
+        if ones is None or ones.shape[2] != n:  # the appended flags: never written, so one tensor serves every step
+            ones = self._ones = torch.ones(self.B, self.Hkv, n, dtype=torch.bool, device=self.device)
+        self._append("valid", ones)
+        g = self._grow["valid"]
+        self._valid_mark = (g.buf, g.buf._version)
+
+    def valid_unchanged(self):
+        """True when `valid` changed only by appends since _append_valid last ran (valid_epoch is current)."""
+        g, mark = self._grow.get("valid"), self._valid_mark
+        return mark is not None and g is not None and g.buf is mark[0] and g.buf._version == mark[1]
 
     # ---- writing ----
     def _add_sinks(self, key_states, value_states, start):
