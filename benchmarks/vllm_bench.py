@@ -83,11 +83,12 @@ def _decode_speed(llm, prompt, n, repeats=3):
     return sorted(rates)[len(rates) // 2]
 
 
-def _speed(model, prompt, n, rounds):
-    """decode_tok_s: the fp32 engine once, the fp8 engines without and with certificates in turn for
+def _speed(model, prompt, n, rounds, codec="fp8_e4m3"):
+    """decode_tok_s: the fp32 engine once, the `codec` engines (KVCERT_CODEC) without and with certificates in turn for
     `rounds` rounds (order swapped every round); cert_cost = median over rounds of 1 - cert / no cert."""
     from tqdm import tqdm
-    names = {"vllm_fp8_e4m3": dict(codec="fp8_e4m3", certify=False), "vllm_fp8_e4m3_kvcert": dict(codec="fp8_e4m3")}
+    plain, cert = f"vllm_{codec}", f"vllm_{codec}_kvcert"
+    names = {plain: dict(codec=codec, certify=False), cert: dict(codec=codec)}
     llm = _plain_engine(model)
     out = {"vllm_fp32": _decode_speed(llm, prompt, n)}
     del llm
@@ -98,7 +99,7 @@ def _speed(model, prompt, n, rounds):
             llm = _engine(model, **names[name])
             rec[name] = _decode_speed(llm, prompt, n)
             del llm
-        rec["cert_cost"] = 1.0 - rec["vllm_fp8_e4m3_kvcert"] / rec["vllm_fp8_e4m3"]
+        rec["cert_cost"] = 1.0 - rec[cert] / rec[plain]
         per_round.append(rec)
     med = lambda key: sorted(x[key] for x in per_round)[len(per_round) // 2]
     out.update({name: med(name) for name in names})
@@ -188,6 +189,8 @@ def main(argv=None):
     ap.add_argument("--out", default="results/vllm.json")
     ap.add_argument("--speed-rounds", type=int, default=3, help="rounds of the two fp8 engines in turn (speed)")
     ap.add_argument("--speed-only", action="store_true", help="only the speed part: replaces it in an existing --out, else a speed-only --out")
+    ap.add_argument("--speed-codec", default="fp8_e4m3", help="the speed part's codec (KVCERT_CODEC; with --speed-only "
+                    "any, e.g. int8: the packed int8 page; the full run's tables need fp8_e4m3)")
     args = ap.parse_args(argv)
     start = time.time()
     import numpy as np
@@ -207,9 +210,11 @@ def main(argv=None):
                "numbers compare certificate cost, not fp8 memory savings")}
     if args.speed_rounds < 1:
         raise SystemExit("--speed-rounds: at least 1")
+    if args.speed_codec != "fp8_e4m3" and not args.speed_only:
+        raise SystemExit("--speed-codec: another codec than fp8_e4m3 with --speed-only only (the full run's tables are fp8's)")
     from transformers import AutoTokenizer
     prompts = _prompts(AutoTokenizer.from_pretrained(model), args.prompts, args.filler)
-    speed = _speed(model, prompts[0][0], args.decode_tokens, args.speed_rounds)
+    speed = _speed(model, prompts[0][0], args.decode_tokens, args.speed_rounds, args.speed_codec)
     if args.speed_only:  # into an existing full results file (its other parts kept), or a speed-only file
         run = {"command": res["command"], "seconds": round(time.time() - start, 1), "versions": res["versions"],
                "machine": res["machine"]}

@@ -475,8 +475,10 @@ def test_paged_witness_is_the_witness(seed, n, D, bs, spread, same):
     """cpu_fused.paged_witness (C++, in place on vLLM's key layout): equal to fast.core.witness.witness of
     the key against the stored key (up to one fp32 ulp: the sum order may differ), never below the exact band
     norm (mpmath, 60 digits), RHO_MIN for nonzero values below it (so also where the cache holds the key exactly);
-    slots < 0 left untouched."""
-    from fast.core.witness import witness
+    slots < 0 left untouched. cpu_fused.witness_codes (C++, the packed codes of the same witness: the transformers
+    cache's flush, vLLM's int8 / int4 / fp8 pages): pack_witness's code of that witness, and never below the exact
+    band norm either."""
+    from fast.core.witness import pack_witness, unpack_witness, witness
     g = torch.Generator().manual_seed(seed)
     Hkv, NB, nb = 2, 4, 3
     mags = torch.exp2((torch.randn(D, generator=g) * spread).clamp(-60, 60))  # finite products, subnormal differences
@@ -498,17 +500,23 @@ def test_paged_witness_is_the_witness(seed, n, D, bs, spread, same):
         want = witness(key[i][None, :, None], st_[None, :, None], bands, backend="torch")[0, :, 0]
         want = torch.where((want > 0) & (want < cpu_fused.RHO_MIN), torch.tensor(cpu_fused.RHO_MIN), want)
         assert (got.view(torch.int32) - want.view(torch.int32)).abs().max() <= 1, (got, want)
+        codes = cpu_fused.witness_codes(key[i], st_.contiguous(), bands)  # [Hkv, NB]
+        assert torch.equal(codes, pack_witness(got)), (codes, got)  # the code of the C++ witness (RHO_MIN aside)
+        assert (codes.int() - pack_witness(want).int()).abs().max() <= 1
         with workdps(60):
             for h in range(Hkv):
                 for b in range(NB):
                     exact = fsum((mpf(float(key[i, h, d])) - mpf(float(st_[h, d]))) ** 2 for d in bands[b].tolist()) ** 0.5
                     assert mpf(float(got[h, b])) >= exact, (h, b, float(got[h, b]), exact)
+                    assert mpf(float(unpack_witness(codes[h, b]))) >= exact, (h, b, int(codes[h, b]), exact)
         if same and i == n - 1:  # up64(0) > 0, raised to the kernel's minimum: tiny, still a witness
             assert bool((got == cpu_fused.RHO_MIN).all()), got
     assert int((rho == -7.0).sum()) == (nb * bs - int((slots >= 0).sum())) * Hkv * NB  # nothing else written
     key[-1, 0, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
         cpu_fused.paged_witness(key, kt, slots, rho, bands)
+    with pytest.raises(ValueError, match="NaN"):
+        cpu_fused.witness_codes(key, key.nan_to_num(), bands)
 
 
 EPI = st.fixed_dictionaries({

@@ -118,6 +118,7 @@ from fast.core.native import (FLAGS, SANITIZE, SRC, _Args, _EpiConst, _lib, _Seg
                               dither_noise, sanitized)
 from fast.core.quant import QTensor
 from fast.core.threads import read_threads
+from fast.core.witness import log_table32
 
 CHUNK = 512      # at most this many tokens per work item (pass 1 and 2 split the cache into (b, kv head, chunk)
 #                  items of equal size, a multiple of 8: see _chunk)
@@ -893,6 +894,34 @@ def paged_witness(key, kt, slots, rho, bands):
         raise ValueError("paged_witness: the kernel refused the bands or the head size")
     if bad:
         raise ValueError(f"paged_witness: {bad} key rows hold NaN/Inf (exact or stored): nothing certified for them")
+
+
+def witness_codes(k, k_hat, bands):
+    """fast.core.witness.pack_witness(witness(k, k_hat, bands)) in one C++ pass (csrc: kvcert_witness_codes): the uint8
+    log codes [..., NB] of the band witness of keys k against k_hat (fp32 [..., D], same shape, CPU), witness()'s
+    operations with the W squares summed in band order (band_norms_up's error argument holds for any order, so the
+    witness may differ from witness()'s by one fp32 ulp, and its code, rarely, by one step up or down: both are >= the
+    exact band norm), then pack_witness's code. NaN/Inf in either, or a witness above the largest fp32: ValueError."""
+    for name, t in (("k", k), ("k_hat", k_hat)):
+        if not (isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() >= 1):
+            raise ValueError(f"witness_codes: {name} must be an fp32 CPU tensor [..., D], got {getattr(t, 'dtype', type(t).__name__)}")
+    if k.shape != k_hat.shape:
+        raise ValueError(f"witness_codes: k {tuple(k.shape)} and k_hat {tuple(k_hat.shape)} differ")
+    D = k.shape[-1]
+    bands = _checks.bands_tensor(bands, D).contiguous()
+    NB, W = bands.shape
+    if D > 512 or NB > 64:
+        raise ValueError(f"witness_codes: head size {D} > 512 or {NB} bands > 64")
+    n = k.numel() // D if D else 0
+    out = torch.empty(*k.shape[:-1], NB, dtype=torch.uint8)
+    k, k_hat = k.contiguous(), k_hat.contiguous()
+    bad = _lib().kvcert_witness_codes(k.data_ptr(), k_hat.data_ptr(), n, D, bands.data_ptr(), NB, W, _band_margin(W),
+                                      log_table32().data_ptr(), out.data_ptr()) if n else 0
+    if bad < 0:
+        raise ValueError("witness_codes: the kernel refused the bands or the head size")
+    if bad:
+        raise ValueError(f"witness_codes: {bad} rows hold NaN/Inf or a witness above the largest fp32: nothing certified for them")
+    return out
 
 
 # ---- the attention_rows contract ----

@@ -117,6 +117,9 @@ def _lib(scalar=False):
                                              ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                              ctypes.c_int64, ctypes.c_int64, ctypes.c_double, ctypes.c_float, ctypes.c_void_p]
         lib.kvcert_paged_witness.restype = ctypes.c_int64
+        lib.kvcert_witness_codes.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_void_p,
+                                             *[ctypes.c_int64] * 2, ctypes.c_double, ctypes.c_void_p, ctypes.c_void_p]
+        lib.kvcert_witness_codes.restype = ctypes.c_int64
         lib.kvcert_epilogue.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(_EpiConst), ctypes.c_void_p]
         lib.kvcert_epilogue.restype = ctypes.c_int
         lib.kvcert_lut_is_grid.argtypes = [ctypes.c_void_p]

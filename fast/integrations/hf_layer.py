@@ -6,6 +6,7 @@ The layout is in hf_cache's opening comment; fast.integrations.hf_fused.FusedLay
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from fast.core import cpu_fused
 from fast.core.quant import dequantize, quantize
 from fast.core.schemes import CodecStored, Grow, get_scheme
 from fast.core.witness import pack_witness, unpack_witness, witness, witness_from_step
@@ -33,6 +34,14 @@ def _up_bytes(st):
     """Bytes of one promoted head's rungs: residual codes and scales, witness (and value witness)."""
     return (sum(x.nbytes for x in st["k"] + st["v"]) + (0 if st["rho"] is None else st["rho"].nbytes)
             + (0 if st["v_err"] is None else st["v_err"].nbytes))
+
+
+def _witness_codes(k, k_hat, bands):
+    """pack_witness(witness(k, k_hat, bands)): one C++ pass for fp32 keys on the CPU (cpu_fused.witness_codes, the
+    same witness within one fp32 ulp), else torch."""
+    if k.dtype == k_hat.dtype == torch.float32 and k.device.type == "cpu" and cpu_fused.available():
+        return cpu_fused.witness_codes(k, k_hat, bands)
+    return pack_witness(witness(k.float(), k_hat.float(), bands))
 
 
 def value_error_norms(v, v_hat):
@@ -216,9 +225,9 @@ class CertifiedLayer(CacheLayerMixin):
         if not self.derived:
             if hasattr(kq, "witness_t3"):  # pre-RoPE scheme: witness from the pre-RoPE error (T3), fast.core.prerope
                 rho = kq.witness_t3(k, bands, self.dtype)
+                codes = pack_witness(rho)
             else:
-                rho = witness(k.float(), k_hat.float(), bands)
-            codes = pack_witness(rho)
+                codes = _witness_codes(k, k_hat, bands)
             self._append("rho_codes", codes)
         if self.cache.offload == "residual":
             rk = quantize((k.float() - k_hat.float()).contiguous(), "int8", layer=L, token_start=self.nq)

@@ -561,10 +561,14 @@ def _backend_classes():
                 return
             stored = page_decode(kcode, kscale.view(ks.dtype), codec)  # what the kernel decodes
             fin = (torch.isfinite(k).all(-1) & torch.isfinite(stored).all(-1))[..., None]  # [n, Hkv, 1]
-            rho = witness(k.masked_fill(~fin, 0.0).permute(1, 0, 2)[None], stored.masked_fill(~fin, 0.0).permute(1, 0, 2)[None],
-                          self.band_idx, backend="torch")[0].permute(1, 0, 2)  # [n, Hkv, NB]
+            k, stored = k.masked_fill(~fin, 0.0), stored.masked_fill(~fin, 0.0)
+            if cpu_fused.available():  # pack_witness(witness(...)) in one C++ pass
+                codes = cpu_fused.witness_codes(k, stored, self.band_idx)  # [n, Hkv, NB]
+            else:
+                codes = pack_witness(witness(k.permute(1, 0, 2)[None], stored.permute(1, 0, 2)[None], self.band_idx,
+                                             backend="torch")[0].permute(1, 0, 2))
             # a non-finite row: the top code (a vacuous witness); its NaN scale makes the read refuse it anyway
-            rc[blk, :, off] = pack_witness(rho).masked_fill(~fin, 255)
+            rc[blk, :, off] = codes.masked_fill(~fin, 255)
 
         def _lidx(self, layer):
             if getattr(self, "_layer_idx", None) is None:

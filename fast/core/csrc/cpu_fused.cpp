@@ -1859,6 +1859,54 @@ double kvcert_exp_check(float lo, double* abs_max, int threads) {
 
 float kvcert_exp_one(float x) { return kv_exp(x); }
 
+// pack_witness(witness(k, k~, bands)) (fast.core.witness) of n rows of D fp32, key and khat contiguous rows: the band
+// witness (math.md T4) with kvcert_paged_witness's operations below (r = fl64(k - k~), the W squares summed in fp64 in
+// band order, sqrt, times margin = 1 + 2 gamma_{W+4}, one ulp up, cast to fp32 rounded up; any summation order is
+// within the margin), then pack_witness's uint8 log code: the index of the first entry >= rho of the increasing log
+// table lut (fp32 [256], lut[255] the largest fp32). out: n rows of NB codes. Returns the number of rows holding
+// NaN/Inf in key or khat or a witness above the largest fp32 (their codes are not written: the caller raises), or -1
+// (nothing written) when D > 512, NB > 64 or a band index lies outside [0, D) (cpu_fused.witness_codes checks first).
+int64_t kvcert_witness_codes(const float* key, const float* khat, int64_t n, int64_t D, const int64_t* bands, int64_t NB,
+                             int64_t W, double margin, const float* lut, uint8_t* out) {
+    if (D > 512 || NB > 64) return -1;
+    for (int64_t i = 0; i < NB * W; ++i)
+        if (bands[i] < 0 || bands[i] >= D) return -1;
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        const float* k = key + i * D;
+        const float* kh = khat + i * D;
+        double r[512];
+        bool finite = true;
+        for (int64_t d = 0; d < D; ++d) {
+            r[d] = (double)k[d] - (double)kh[d];
+            finite = finite && std::isfinite(r[d]);
+        }
+        if (!finite) {
+            ++bad;
+            continue;
+        }
+        uint8_t c[64];
+        for (int64_t b = 0; b < NB && finite; ++b) {
+            double ss = 0.0;
+            for (int64_t w = 0; w < W; ++w) {
+                const double x = r[bands[b * W + w]];
+                ss += x * x;
+            }
+            const double nrm = up(std::sqrt(ss) * margin);
+            float f = (float)nrm;
+            if ((double)f < nrm) f = upf(f);
+            finite = std::isfinite(f);  // a witness above the largest fp32 (no code holds it): the row is refused
+            c[b] = (uint8_t)(std::lower_bound(lut, lut + 255, f) - lut);  // lut[255] >= every finite f
+        }
+        if (!finite) {
+            ++bad;
+            continue;
+        }
+        for (int64_t b = 0; b < NB; ++b) out[i * NB + b] = c[b];
+    }
+    return bad;
+}
+
 // The band witness (math.md T4) of n exact keys against what a paged cache stores for them, written into the
 // paged witness tensor: fast.core.witness.witness (band_norms_up) op for op: r = fl64(k - k~) (one rounding at
 // most), the W squares and their sum in fp64 (any order), sqrt, times margin = 1 + 2 gamma_{W+4}, one ulp up;
