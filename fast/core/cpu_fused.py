@@ -245,23 +245,24 @@ def _scratch(n):
 
 
 def _checked_run(q, qpos, segs, s, bands, ngk, ngv, certify, lut):
-    """_check_run, skipped when this thread's last call checked the same objects (the segments, bands at the same
-    version, lut; kept referenced, so their ids cannot pass to others) with the same shapes, counts and arguments:
-    a decode step's reads of one layer differ only in q's and qpos's contents and segment 1's length (n >= 1 both
-    times, so the checks that depend on it give the same answer)."""
-    if not (isinstance(q, torch.Tensor) and isinstance(qpos, torch.Tensor) and isinstance(segs, (list, tuple))
-            and len(segs) == 2 and all(isinstance(sg, dict) and "c" in sg for sg in segs)):
+    """_check_run, skipped when the same segment pair passed it with the same other objects (segment 1, bands at
+    the same version, lut: kept referenced in segment 0's dict, so their ids cannot pass to others), the same
+    shapes and arguments and q, qpos fp32 / int32 contiguous CPU tensors: a decode step's reads of one layer differ
+    only in q's and qpos's contents and the segments' lengths (n >= 1 or 0 both times, so the checks that depend
+    on them give the same answer). Each layer keeps its own segments, so each keeps its own entry."""
+    if not (type(q) is torch.Tensor and type(qpos) is torch.Tensor and type(segs) in (list, tuple) and len(segs) == 2
+            and type(segs[0]) is dict and type(segs[1]) is dict and "c" in segs[0] and "c" in segs[1]
+            and type(s) is float and q.dtype is torch.float32 and qpos.dtype is torch.int32 and q.is_contiguous()
+            and qpos.is_contiguous() and not q.is_cuda and not qpos.is_cuda and q.device.type == "cpu"):
         return _check_run(q, qpos, segs, s, bands, ngk, ngv, certify, lut)
-    objs = (segs[0], segs[1], bands, lut)
-    key = (tuple(q.shape), q.dtype, q.is_contiguous(), q.device.type, tuple(qpos.shape), qpos.dtype, qpos.is_contiguous(),
-           qpos.device.type, segs[0]["c"].n > 0, segs[1]["c"].n > 0, getattr(bands, "_version", None),
-           getattr(bands, "shape", None), getattr(lut, "shape", None), getattr(lut, "_version", None), ngk, ngv,
-           certify, s if isinstance(s, float) else None)
-    last = getattr(_SCRATCH, "checked", None)
-    if last is not None and key[-1] is not None and last[1] == key and all(a is b for a, b in zip(last[0], objs)):
-        return last[2]
+    key = (q.shape, qpos.shape, segs[0]["c"].n > 0, segs[1]["c"].n > 0, getattr(bands, "_version", None),
+           getattr(bands, "shape", None), getattr(lut, "_version", None), getattr(lut, "shape", None), ngk, ngv,
+           certify, s)
+    plan = segs[0].get("_checked")
+    if plan is not None and plan[0] is segs[1] and plan[1] is bands and plan[2] is lut and plan[3] == key:
+        return plan[4]
     res = _check_run(q, qpos, segs, s, bands, ngk, ngv, certify, lut)
-    _SCRATCH.checked = (objs, key, res)
+    segs[0]["_checked"] = (segs[1], bands, lut, key, res)
     return res
 
 

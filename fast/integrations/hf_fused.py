@@ -206,6 +206,9 @@ class FusedLayer(CertifiedLayer):
         st["v"].narrow(2, E + R, n).copy_(value_states)
         self.k_tail, self.v_tail = st["k"].narrow(2, E, R + n), st["v"].narrow(2, E, R + n)
         st["tail"] = self.k_tail
+        if st["flags"] == R:  # flags copied up to the tail's end: the new rows' are update's appended ones (a write to
+            st["val"].narrow(2, E + R, n).fill_(1)  # valid by anyone else moves valid_epoch: _segment1 copies them all)
+            st["flags"] = R + n
 
     def keep_tokens(self, index):
         self._seg1 = None  # the tail and the overlay are rebuilt: so is segment 1
@@ -511,6 +514,10 @@ def _snapshot(layer):
     return snap[3], snap[4]
 
 
+def _f32(t):
+    return t if t.dtype is torch.float32 else t.float()
+
+
 def _record(layer, cert, N, T, pre=None, fresh=0):
     """One record as the meter writes it (hf_meter.decode_step / rows_step) from a certificate dict: a decode read
     (T = 1, cert of [B, H] tensors) in cache.records, a multi-row read (a second turn, chunked prefill; [B, T, H]) in
@@ -520,16 +527,16 @@ def _record(layer, cert, N, T, pre=None, fresh=0):
     pre = cert["min"] if pre is None else pre
     repaired, rung = _snapshot(layer)
     rec = {"layer": layer.layer_idx, "repaired": repaired, "rung": rung, "fresh_repairs": fresh}
-    forms = {f: cert[f].float() for f in (*FORMS, "dither_estimate", "true_tv", "out_err", "true_out_err") if f in cert}
+    forms = {f: _f32(cert[f]) for f in (*FORMS, "dither_estimate", "true_tv", "out_err", "true_out_err") if f in cert}
     if T == 1:
         layer.steps += 1
-        rec.update({"step": layer.steps, "pre_min": pre, "max_c": cert["max_c"].float()}, **forms)
+        rec.update({"step": layer.steps, "pre_min": pre, "max_c": _f32(cert["max_c"])}, **forms)
         cache.records.append(rec)
         return
     t0 = layer.steps
     layer.steps += T  # each row is one read, as in the meter
     rec.update({"call": len(cache.row_records), "pos": torch.arange(N - T, N), "steps": (t0 + 1, t0 + T),
-                "pre_min": pre, "max_c": cert["max_c"].float()}, **forms)
+                "pre_min": pre, "max_c": _f32(cert["max_c"])}, **forms)
     cache.row_records.append(rec)
 
 
