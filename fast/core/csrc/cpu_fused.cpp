@@ -1859,6 +1859,17 @@ double kvcert_exp_check(float lo, double* abs_max, int threads) {
 
 float kvcert_exp_one(float x) { return kv_exp(x); }
 
+// One band of the witness from r = fl64(k - k~): the W squares of the band's coordinates (idx) summed in fp64 in
+// this order, sqrt, times margin = 1 + 2 gamma_{W+4}, one ulp up, cast to fp32 rounded up (band_norms_up, up32).
+inline float band_witness(const double* r, const int64_t* idx, int64_t W, double margin) {
+    double ss = 0.0;
+    for (int64_t w = 0; w < W; ++w) ss += r[idx[w]] * r[idx[w]];
+    const double nrm = up(std::sqrt(ss) * margin);
+    float f = (float)nrm;
+    if ((double)f < nrm) f = upf(f);
+    return f;
+}
+
 // pack_witness(witness(k, k~, bands)) (fast.core.witness) of n rows of D fp32, key and khat contiguous rows: the band
 // witness (math.md T4) with kvcert_paged_witness's operations below (r = fl64(k - k~), the W squares summed in fp64 in
 // band order, sqrt, times margin = 1 + 2 gamma_{W+4}, one ulp up, cast to fp32 rounded up; any summation order is
@@ -1887,14 +1898,7 @@ int64_t kvcert_witness_codes(const float* key, const float* khat, int64_t n, int
         }
         uint8_t c[64];
         for (int64_t b = 0; b < NB && finite; ++b) {
-            double ss = 0.0;
-            for (int64_t w = 0; w < W; ++w) {
-                const double x = r[bands[b * W + w]];
-                ss += x * x;
-            }
-            const double nrm = up(std::sqrt(ss) * margin);
-            float f = (float)nrm;
-            if ((double)f < nrm) f = upf(f);
+            const float f = band_witness(r, bands + b * W, W, margin);
             finite = std::isfinite(f);  // a witness above the largest fp32 (no code holds it): the row is refused
             c[b] = (uint8_t)(std::lower_bound(lut, lut + 255, f) - lut);  // lut[255] >= every finite f
         }
@@ -1941,14 +1945,7 @@ int64_t kvcert_paged_witness(const float* key, int64_t n, int64_t Hkv, int64_t D
             }
             float* out = rho + ((blk * Hkv + h) * bs + off) * NB;
             for (int64_t b = 0; b < NB; ++b) {
-                double ss = 0.0;
-                for (int64_t w = 0; w < W; ++w) {
-                    const double x = r[bands[b * W + w]];
-                    ss += x * x;
-                }
-                const double nrm = up(std::sqrt(ss) * margin);
-                float f = (float)nrm;
-                if ((double)f < nrm) f = upf(f);
+                const float f = band_witness(r, bands + b * W, W, margin);
                 out[b] = (f > 0.0f && f < rho_min) ? rho_min : f;
             }
         }
