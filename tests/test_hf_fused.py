@@ -21,11 +21,11 @@ def TwinCache(config, scheme, **kw):
     return CertifiedCache(config, scheme, backend="torch", **kw)
 
 
-def _run(cache_cls, attn, ids, steps, before_step=None, scheme="int8", kv_heads=2, **kw):
+def _run(cache_cls, attn, ids, steps, before_step=None, scheme="int8", kv_heads=2, mode=torch.no_grad, **kw):
     model = tiny_llama(attn=attn, kv_heads=kv_heads)
     cache = cache_cls(model.config, scheme, **kw)
     logits = []
-    with torch.no_grad():
+    with mode():
         out = model(input_ids=ids, past_key_values=cache, use_cache=True)
         logits.append(out.logits[:, -1])
         for t in range(steps):
@@ -192,11 +192,13 @@ def test_gated_second_turn_rows_match_the_meter(monkeypatch):
             assert bool((f[name] >= r[name] * (1 - 1e-5)).all()) and bool((f[name] <= r[name] * 1.01 + 1e-6).all()), name
 
 
-def test_readable_flags_changed_in_place_are_read():
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_readable_flags_changed_in_place_are_read(mode):
     """Segment 0 is reused across steps (appends to the tail do not rebuild it), and segment 1's buffers too
     (update writes the new tail rows there), but a readable flag of a quantized token, a sink or a tail token changed
     in place is read at the next step: the same logits and certificates as a run that rebuilds every segment at every
-    step (a stale segment would still read the masked tokens), and different from a run without the masks."""
+    step (a stale segment would still read the masked tokens), and different from a run without the masks. Also under
+    torch.inference_mode, whose tensors keep no version counter (writes to them are not counted: compared by content)."""
     ids = tiny_ids(B=2, N=60)
     nqs = set()
 
@@ -212,7 +214,7 @@ def test_readable_flags_changed_in_place_are_read():
         for layer in cache.layers:
             if rebuild:
                 layer._seg0 = layer._seg1 = None
-    reuse, c1 = _run(FusedCertifiedCache, hf_fused.NAME, ids, 6, before_step=mask, window=8, sinks=4)
+    reuse, c1 = _run(FusedCertifiedCache, hf_fused.NAME, ids, 6, before_step=mask, window=8, sinks=4, mode=mode)
     fresh, c2 = _run(FusedCertifiedCache, hf_fused.NAME, ids, 6, before_step=lambda c, t: mask(c, t, True),
                      window=8, sinks=4)
     plain, _ = _run(FusedCertifiedCache, hf_fused.NAME, ids, 6, window=8, sinks=4)

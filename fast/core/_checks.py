@@ -77,6 +77,13 @@ def positive_int(name, n):
     return n
 
 
+def version(t):
+    """t's version counter (bumped by every in-place write), or None for an inference tensor, which keeps none (a
+    write to it in inference mode is not counted): callers that skip work while the version is unchanged treat None
+    as changed."""
+    return None if t.is_inference() else t._version
+
+
 def bands_tensor(bands, D):
     """bands: LongTensor [NB, D // NB] partitioning range(D) (as built by rope_bands). The partition check runs
     once per tensor and version (a cache's bands are checked on every witness call: a sort and a copy each)."""
@@ -84,14 +91,14 @@ def bands_tensor(bands, D):
     NB, W = bands.shape
     if NB * W != D:
         raise ValueError(f"bands: shape {tuple(bands.shape)} does not cover head dim D = {D}")
-    seen = _BANDS_SEEN.get(id(bands))
-    if seen is None or seen[0] is not bands or seen[1] != bands._version:
+    seen, ver = _BANDS_SEEN.get(id(bands)), version(bands)
+    if seen is None or seen[0] is not bands or ver is None or seen[1] != ver:
         flat = bands.reshape(-1).to(torch.int64).cpu()
         if not torch.equal(torch.sort(flat).values, torch.arange(D)):
             raise ValueError("bands: must be a partition of range(D) (every coordinate exactly once)")
         if len(_BANDS_SEEN) > 256:
             _BANDS_SEEN.clear()
-        _BANDS_SEEN[id(bands)] = (bands, bands._version)  # the tensor is kept: its id cannot pass to another
+        _BANDS_SEEN[id(bands)] = (bands, ver)  # the tensor is kept: its id cannot pass to another
     return bands.to(torch.int64)
 
 

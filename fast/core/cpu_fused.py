@@ -255,9 +255,12 @@ def _checked_run(q, qpos, segs, s, bands, ngk, ngv, certify, lut):
             and type(s) is float and q.dtype is torch.float32 and qpos.dtype is torch.int32 and q.is_contiguous()
             and qpos.is_contiguous() and not q.is_cuda and not qpos.is_cuda and q.device.type == "cpu"):
         return _check_run(q, qpos, segs, s, bands, ngk, ngv, certify, lut)
-    key = (q.shape, qpos.shape, segs[0]["c"].n > 0, segs[1]["c"].n > 0, getattr(bands, "_version", None),
-           getattr(bands, "shape", None), getattr(lut, "_version", None), getattr(lut, "shape", None), ngk, ngv,
-           certify, s)
+    vb, vl = _checks.version(bands) if type(bands) is torch.Tensor else None, 0 if lut is None else (
+        _checks.version(lut) if type(lut) is torch.Tensor else None)
+    if vb is None or vl is None:  # an inference tensor (or no tensor): in-place writes cannot be seen, so check it all
+        return _check_run(q, qpos, segs, s, bands, ngk, ngv, certify, lut)
+    key = (q.shape, qpos.shape, segs[0]["c"].n > 0, segs[1]["c"].n > 0, vb, bands.shape, vl,
+           None if lut is None else lut.shape, ngk, ngv, certify, s)
     plan = segs[0].get("_checked")
     if plan is not None and plan[0] is segs[1] and plan[1] is bands and plan[2] is lut and plan[3] == key:
         return plan[4]
@@ -295,9 +298,9 @@ def _check_run(q, qpos, segs, s, bands, ngk, ngv, certify, lut):
     if not (isinstance(bands, torch.Tensor) and bands.dtype == torch.int64 and bands.dim() == 2 and bands.is_contiguous()
             and bands.is_cpu and min(bands.shape) >= 1):
         raise ValueError("bands: int64 contiguous CPU [NB, W]")
-    key = (bands.data_ptr(), bands._version, D)
+    key = (bands.data_ptr(), _checks.version(bands), D)
     seen = _BANDS_OK.get(id(bands))
-    if seen is None or seen[0] is not bands or seen[1] != key:  # the index check once per bands tensor and version
+    if seen is None or seen[0] is not bands or seen[1] != key or key[1] is None:  # the index check once per bands tensor and version
         lo, hi = torch.aminmax(bands)
         if int(lo) < 0 or int(hi) >= D:
             raise ValueError(f"bands: coordinate indices must lie in [0, {D})")

@@ -46,6 +46,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from fast.core import cpu_fused
+from fast.core._checks import version
 from fast.core.attention import attention_rows as twin_rows
 from fast.core.attention import output_error_from_kernel
 from fast.core.certify import FORMS, logit_rounding, with_other_logits
@@ -129,7 +130,7 @@ class FusedLayer(CertifiedLayer):
         clean = self.valid_unchanged()
         if (old is not None and old["key"] == key0 and not self.derived
                 and ((clean and old["epoch"] == self.valid_epoch) or torch.equal(old["valid"], va[:, :, :nq]))
-                and ((old["ex_on"] is self.ex_on and old["ex_ver"] == self.ex_on._version)
+                and ((old["ex_on"] is self.ex_on and old["ex_ver"] is not None and old["ex_ver"] == version(self.ex_on))
                      or torch.equal(old["on_copy"], self.ex_on))):
             s0, ng, on_u8, ex_pos = old["seg"]
             if clean:
@@ -158,7 +159,7 @@ class FusedLayer(CertifiedLayer):
                 s0, ng = cpu_fused.seg(Hkv, 0), (1, 1)
             self._seg0 = {"key": key0, "seg": (s0, ng, on_u8, ex_pos), "valid": va[:, :, :nq].clone(),
                           "epoch": self.valid_epoch if clean else -1, "ex_on": self.ex_on,
-                          "ex_ver": self.ex_on._version, "on_copy": self.ex_on.clone()}
+                          "ex_ver": version(self.ex_on), "on_copy": self.ex_on.clone()}
         return [s0, self._segment1(nq, E, on_u8, ex_pos, va, clean)], ng
 
     def _segment1(self, nq, E, on_u8, ex_pos, va, clean):
@@ -509,8 +510,9 @@ def _snapshot(layer):
     its version counter, or replaced): every record of a run of steps without a repair shares one copy."""
     r, g = layer.repaired, layer.rung
     snap = layer.__dict__.get("_snap")
-    if snap is None or snap[0] is not r or snap[1] is not g or snap[2] != (r._version, g._version):
-        snap = layer._snap = (r, g, (r._version, g._version), r.clone(), g.clone())
+    vers = (version(r), version(g))  # None: an inference tensor, whose writes are not counted: copied every time
+    if snap is None or snap[0] is not r or snap[1] is not g or snap[2] != vers or None in vers:
+        snap = layer._snap = (r, g, vers, r.clone(), g.clone())
     return snap[3], snap[4]
 
 

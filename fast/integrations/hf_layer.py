@@ -7,6 +7,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from fast.core import cpu_fused
+from fast.core._checks import version
 from fast.core.quant import dequantize, quantize
 from fast.core.schemes import CodecStored, Grow, get_scheme
 from fast.core.witness import pack_witness, unpack_witness, witness, witness_from_step
@@ -176,21 +177,20 @@ class CertifiedLayer(CacheLayerMixin):
         such as a padding mask's, or a new tensor): its buffer and version are compared with what the last append left
         (the buffer object is kept, so its id and version cannot pass to another tensor). A reader that keeps a copy
         of the flags (hf_fused's segments) compares the epoch instead of the flags."""
-        g = self._grow.get("valid")
-        mark = self._valid_mark
-        if mark is None or g is None or g.buf is not mark[0] or g.buf._version != mark[1]:
+        if not self.valid_unchanged():
             self.valid_epoch += 1
         ones = self.__dict__.get("_ones")
         if ones is None or ones.shape[2] != n:  # the appended flags: never written, so one tensor serves every step
             ones = self._ones = torch.ones(self.B, self.Hkv, n, dtype=torch.bool, device=self.device)
         self._append("valid", ones)
         g = self._grow["valid"]
-        self._valid_mark = (g.buf, g.buf._version)
+        self._valid_mark = (g.buf, version(g.buf))
 
     def valid_unchanged(self):
         """True when `valid` changed only by appends since _append_valid last ran (valid_epoch is current)."""
         g, mark = self._grow.get("valid"), self._valid_mark
-        return mark is not None and g is not None and g.buf is mark[0] and g.buf._version == mark[1]
+        return (mark is not None and g is not None and g.buf is mark[0] and mark[1] is not None
+                and version(g.buf) == mark[1])  # an inference tensor (version None) counts as changed
 
     # ---- writing ----
     def _add_sinks(self, key_states, value_states, start):
