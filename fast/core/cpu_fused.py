@@ -118,7 +118,7 @@ from fast.core.native import (FLAGS, SANITIZE, SRC, _Args, _EpiConst, _lib, _Seg
                               dither_noise, sanitized)
 from fast.core.quant import QTensor
 from fast.core.threads import read_threads
-from fast.core.witness import log_table32
+from fast.core.witness import log_table32, pack_witness, witness
 
 CHUNK = 512      # at most this many tokens per work item (pass 1 and 2 split the cache into (b, kv head, chunk)
 #                  items of equal size, a multiple of 8: see _chunk)
@@ -253,11 +253,11 @@ def _checked_run(q, qpos, segs, s, bands, ngk, ngv, certify, lut):
     if not (type(q) is torch.Tensor and type(qpos) is torch.Tensor and type(segs) in (list, tuple) and len(segs) == 2
             and type(segs[0]) is dict and type(segs[1]) is dict and "c" in segs[0] and "c" in segs[1]
             and type(s) is float and q.dtype is torch.float32 and qpos.dtype is torch.int32 and q.is_contiguous()
-            and qpos.is_contiguous() and not q.is_cuda and not qpos.is_cuda and q.device.type == "cpu"):
+            and qpos.is_contiguous() and q.is_cpu and qpos.is_cpu and type(bands) is torch.Tensor
+            and (lut is None or type(lut) is torch.Tensor)):
         return _check_run(q, qpos, segs, s, bands, ngk, ngv, certify, lut)
-    vb, vl = _checks.version(bands) if type(bands) is torch.Tensor else None, 0 if lut is None else (
-        _checks.version(lut) if type(lut) is torch.Tensor else None)
-    if vb is None or vl is None:  # an inference tensor (or no tensor): in-place writes cannot be seen, so check it all
+    vb, vl = _checks.version(bands), 0 if lut is None else _checks.version(lut)
+    if vb is None or vl is None:  # an inference tensor: its in-place writes cannot be seen, so check it all
         return _check_run(q, qpos, segs, s, bands, ngk, ngv, certify, lut)
     key = (q.shape, qpos.shape, segs[0]["c"].n > 0, segs[1]["c"].n > 0, vb, bands.shape, vl,
            None if lut is None else lut.shape, ngk, ngv, certify, s)
@@ -901,17 +901,21 @@ def paged_witness(key, kt, slots, rho, bands):
 
 
 def witness_codes(k, k_hat, bands):
-    """fast.core.witness.pack_witness(witness(k, k_hat, bands)) in one C++ pass (csrc: kvcert_witness_codes): the uint8
-    log codes [..., NB] of the band witness of keys k against k_hat (fp32 [..., D], same shape, CPU), witness()'s
-    operations with the W squares summed in band order (band_norms_up's error argument holds for any order, so the
-    witness may differ from witness()'s by one fp32 ulp, and its code, rarely, by one step up or down: both are >= the
-    exact band norm), then pack_witness's code. NaN/Inf in either, or a witness above the largest fp32: ValueError."""
+    """fast.core.witness.pack_witness(witness(k, k_hat, bands)): the uint8 log codes [..., NB] of the band witness of
+    keys k against k_hat ([..., D], same shape). fp32 CPU keys with the extension built: one C++ pass (csrc:
+    kvcert_witness_codes), witness()'s operations with the W squares summed in band order (band_norms_up's error
+    argument holds for any order, so the witness may differ from witness()'s by one fp32 ulp, and its code, rarely, by
+    one step up or down: both are >= the exact band norm), then pack_witness's code; else witness() and pack_witness.
+    NaN/Inf in either, or a witness above the largest fp32: ValueError."""
     for name, t in (("k", k), ("k_hat", k_hat)):
-        if not (isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() >= 1):
-            raise ValueError(f"witness_codes: {name} must be an fp32 CPU tensor [..., D], got {getattr(t, 'dtype', type(t).__name__)}")
+        if not (isinstance(t, torch.Tensor) and t.dim() >= 1):
+            raise ValueError(f"witness_codes: {name} must be a tensor [..., D], got {type(t).__name__}")
     if k.shape != k_hat.shape:
         raise ValueError(f"witness_codes: k {tuple(k.shape)} and k_hat {tuple(k_hat.shape)} differ")
     D = k.shape[-1]
+    if not (k.dtype == k_hat.dtype == torch.float32 and k.is_cpu and k_hat.is_cpu and available()):
+        rho = witness(k.reshape(1, 1, -1, D), k_hat.reshape(1, 1, -1, D), bands)
+        return pack_witness(rho).view(*k.shape[:-1], -1)
     bands = _checks.bands_tensor(bands, D).contiguous()
     NB, W = bands.shape
     if D > 512 or NB > 64:

@@ -107,7 +107,7 @@ def log_table32():
     """The log table as fp32 [256] contiguous on the CPU, built once: the fused C++ read decodes uint8 witness codes
     with it (the transformers cache and the vLLM plugin pass the same tensor)."""
     if not _LUT32:
-        _LUT32.append(_log_table("cpu").to(torch.float32).contiguous())
+        _LUT32.append(_table("cpu").to(torch.float32).contiguous())
     return _LUT32[0]
 
 

@@ -37,14 +37,6 @@ def _up_bytes(st):
             + (0 if st["v_err"] is None else st["v_err"].nbytes))
 
 
-def _witness_codes(k, k_hat, bands):
-    """pack_witness(witness(k, k_hat, bands)): one C++ pass for fp32 keys on the CPU (cpu_fused.witness_codes, the
-    same witness within one fp32 ulp), else torch."""
-    if k.dtype == k_hat.dtype == torch.float32 and k.device.type == "cpu" and cpu_fused.available():
-        return cpu_fused.witness_codes(k, k_hat, bands)
-    return pack_witness(witness(k.float(), k_hat.float(), bands))
-
-
 def value_error_norms(v, v_hat):
     """[B, Hkv, n] fp32 >= ||v_j - v~_j|| (fp64 differences of two floats, band_norms_up with one band of all
     D coordinates, rounded up to fp32): the value witness of math.md T5."""
@@ -227,7 +219,7 @@ class CertifiedLayer(CacheLayerMixin):
                 rho = kq.witness_t3(k, bands, self.dtype)
                 codes = pack_witness(rho)
             else:
-                codes = _witness_codes(k, k_hat, bands)
+                codes = cpu_fused.witness_codes(k, k_hat, bands)
             self._append("rho_codes", codes)
         if self.cache.offload == "residual":
             rk = quantize((k.float() - k_hat.float()).contiguous(), "int8", layer=L, token_start=self.nq)

@@ -100,7 +100,7 @@ from fast.core.attention import attention_rows  # the torch twin: where the fuse
 from fast.core.certify import logit_rounding, with_other_logits
 from fast.core.quant import dequantize, quantize
 from fast.core.rope import rope_bands
-from fast.core.witness import log_table32, pack_witness, unpack_witness, witness
+from fast.core.witness import log_table32, unpack_witness, witness
 from fast.integrations import vllm_fp8
 from fast.policies.gate import parse_gate
 
@@ -561,12 +561,7 @@ def _backend_classes():
                 return
             stored = page_decode(kcode, kscale.view(ks.dtype), codec)  # what the kernel decodes
             fin = (torch.isfinite(k).all(-1) & torch.isfinite(stored).all(-1))[..., None]  # [n, Hkv, 1]
-            k, stored = k.masked_fill(~fin, 0.0), stored.masked_fill(~fin, 0.0)
-            if cpu_fused.available():  # pack_witness(witness(...)) in one C++ pass
-                codes = cpu_fused.witness_codes(k, stored, self.band_idx)  # [n, Hkv, NB]
-            else:
-                codes = pack_witness(witness(k.permute(1, 0, 2)[None], stored.permute(1, 0, 2)[None], self.band_idx,
-                                             backend="torch")[0].permute(1, 0, 2))
+            codes = cpu_fused.witness_codes(k.masked_fill(~fin, 0.0), stored.masked_fill(~fin, 0.0), self.band_idx)  # [n, Hkv, NB]
             # a non-finite row: the top code (a vacuous witness); its NaN scale makes the read refuse it anyway
             rc[blk, :, off] = codes.masked_fill(~fin, 255)
 
