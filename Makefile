@@ -68,7 +68,7 @@ bench: install
 	$(PY) -m benchmarks.quant_eval --n 100 --tokens 384 --schemes prerope4 --out results/quant_eval_prerope.json
 	$(PY) -m benchmarks.harm_study
 	$(PY) -m benchmarks.vllm_bench
-	$(PY) -m benchmarks.vllm_bench --speed-only --speed-rounds 3 --speed-codec int8 --out results/vllm_speed_int8.json
+	$(PY) -m benchmarks.vllm_bench --speed-only --speed-rounds 12 --speed-codec int8 --out results/vllm_speed_int8.json
 	$(PY) -m benchmarks.vllm_tight
 	$(PY) -m benchmarks.vllm_capacity
 	$(PY) -m spec.readme --write

@@ -5,10 +5,11 @@
 One engine per configuration (the plugin reads its settings at start-up), all in this run:
 - speed: decode tok/s of one ~1k-token passkey request, (t(1 + n tokens) - t(1 token)) / n (median of 3),
   for vLLM with an fp32 cache (plugin off), vLLM + vLLM's fp8_e4m3 cast (plugin, no
-  certificates) and the same + certificates; the ratio is the certificates' cost. The two fp8
-  engines run --speed-rounds times in turn (one after the other, the order swapped each round, so that
-  a machine slowing down or speeding up during the run does not land on one side): the cost is the
-  median of the rounds' costs, each round's numbers are kept. --speed-only measures just this and
+  certificates) and the same + certificates; the ratio is the certificates' cost. The two codec
+  engines run side by side (both started, then --speed-rounds rounds, each one measurement of one
+  engine and then of the other, the order swapped each round, seconds apart, so that a machine slowing
+  down or speeding up during the run lands on both sides): the cost is the median of the rounds' costs,
+  each round's numbers are kept. --speed-only measures just this and
   replaces the speed part of an existing --out file (the rest of it is kept), or writes a speed-only file;
 - soundness (shadow mode, fp8_e4m3 and fp8_e5m2): every (row, layer, head) read of a batch of
   passkey prompts (prefill rows and decode rows): checks, violations (true TV > bound),
@@ -84,25 +85,25 @@ def _decode_speed(llm, prompt, n, repeats=3):
 
 
 def _speed(model, prompt, n, rounds, codec="fp8_e4m3"):
-    """decode_tok_s: the fp32 engine once, the `codec` engines (KVCERT_CODEC) without and with certificates in turn for
-    `rounds` rounds (order swapped every round); cert_cost = median over rounds of 1 - cert / no cert."""
+    """decode_tok_s: the fp32 engine once; then the `codec` engines (KVCERT_CODEC) without and with certificates, both
+    started, measured in turn for `rounds` rounds (one measurement each per round, the order swapped every round);
+    cert_cost = median over rounds of 1 - cert / no cert."""
     from tqdm import tqdm
     plain, cert = f"vllm_{codec}", f"vllm_{codec}_kvcert"
-    names = {plain: dict(codec=codec, certify=False), cert: dict(codec=codec)}
     llm = _plain_engine(model)
     out = {"vllm_fp32": _decode_speed(llm, prompt, n)}
     del llm
+    engines = {plain: _engine(model, codec=codec, certify=False), cert: _engine(model, codec=codec)}
     per_round = []
     for r in tqdm(range(rounds), desc="speed rounds"):
         rec = {}
-        for name in (list(names) if r % 2 == 0 else list(names)[::-1]):
-            llm = _engine(model, **names[name])
-            rec[name] = _decode_speed(llm, prompt, n)
-            del llm
+        for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+            rec[name] = _decode_speed(engines[name], prompt, n, repeats=1)
         rec["cert_cost"] = 1.0 - rec[cert] / rec[plain]
         per_round.append(rec)
+    del engines
     med = lambda key: sorted(x[key] for x in per_round)[len(per_round) // 2]
-    out.update({name: med(name) for name in names})
+    out.update({name: med(name) for name in (plain, cert)})
     out["cert_cost"] = med("cert_cost")
     out["rounds"] = per_round
     return out
@@ -187,7 +188,7 @@ def main(argv=None):
     ap.add_argument("--ruler", type=int, default=40, help="RULER-style inputs answered with and without the gate")
     ap.add_argument("--ruler-tokens", type=int, default=1024)
     ap.add_argument("--out", default="results/vllm.json")
-    ap.add_argument("--speed-rounds", type=int, default=3, help="rounds of the two fp8 engines in turn (speed)")
+    ap.add_argument("--speed-rounds", type=int, default=3, help="rounds of the two codec engines in turn, one measurement each (speed)")
     ap.add_argument("--speed-only", action="store_true", help="only the speed part: replaces it in an existing --out, else a speed-only --out")
     ap.add_argument("--speed-codec", default="fp8_e4m3", help="the speed part's codec (KVCERT_CODEC; with --speed-only "
                     "any, e.g. int8: the packed int8 page; the full run's tables need fp8_e4m3)")

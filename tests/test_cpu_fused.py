@@ -12,6 +12,7 @@ ValueError each.
 
 import json
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -517,6 +518,21 @@ def test_paged_witness_is_the_witness(seed, n, D, bs, spread, same):
         cpu_fused.paged_witness(key, kt, slots, rho, bands)
     with pytest.raises(ValueError, match="NaN"):
         cpu_fused.witness_codes(key, key.nan_to_num(), bands)
+    # nonfinite="top": NaN/Inf rows (in either argument) get the top code, every other row the codes it gets alone
+    khat = key.nan_to_num() + 0.25
+    khat[0, -1, 3] = float("inf")
+    top = cpu_fused.witness_codes(key, khat, bands, nonfinite="top")
+    bad = ~(torch.isfinite(key).all(-1) & torch.isfinite(khat).all(-1))
+    assert int(bad.sum()) == 2 and bool((top[bad] == 255).all())
+    assert torch.equal(top[~bad], cpu_fused.witness_codes(key[~bad], khat[~bad], bands))
+    with mock.patch.object(cpu_fused, "available", lambda: False):  # torch's path (no extension)
+        twin = cpu_fused.witness_codes(key, khat, bands, nonfinite="top")
+    assert bool((twin[bad] == 255).all()) and bool(((twin[~bad].int() - top[~bad].int()).abs() <= 1).all())
+    huge = torch.full((1, D), 3e38)
+    with pytest.raises(ValueError, match="largest fp32"):  # finite rows whose witness overflows fp32: still refused
+        cpu_fused.witness_codes(huge, -huge, bands, nonfinite="top")
+    with pytest.raises(ValueError, match="nonfinite"):
+        cpu_fused.witness_codes(key, khat, bands, nonfinite="skip")
 
 
 EPI = st.fixed_dictionaries({

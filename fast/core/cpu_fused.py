@@ -900,22 +900,29 @@ def paged_witness(key, kt, slots, rho, bands):
         raise ValueError(f"paged_witness: {bad} key rows hold NaN/Inf (exact or stored): nothing certified for them")
 
 
-def witness_codes(k, k_hat, bands):
+def witness_codes(k, k_hat, bands, nonfinite="raise"):
     """fast.core.witness.pack_witness(witness(k, k_hat, bands)): the uint8 log codes [..., NB] of the band witness of
     keys k against k_hat ([..., D], same shape). fp32 CPU keys with the extension built: one C++ pass (csrc:
     kvcert_witness_codes), witness()'s operations with the W squares summed in band order (band_norms_up's error
     argument holds for any order, so the witness may differ from witness()'s by one fp32 ulp, and its code, rarely, by
     one step up or down: both are >= the exact band norm), then pack_witness's code; else witness() and pack_witness.
-    NaN/Inf in either, or a witness above the largest fp32: ValueError."""
+    A witness above the largest fp32: ValueError. NaN/Inf in a row of either: ValueError, or with nonfinite="top" that
+    row's codes are 255 (the top code, a vacuous witness: for a caller storing a row whose decoded key is not finite,
+    which every read refuses)."""
     for name, t in (("k", k), ("k_hat", k_hat)):
         if not (isinstance(t, torch.Tensor) and t.dim() >= 1):
             raise ValueError(f"witness_codes: {name} must be a tensor [..., D], got {type(t).__name__}")
     if k.shape != k_hat.shape:
         raise ValueError(f"witness_codes: k {tuple(k.shape)} and k_hat {tuple(k_hat.shape)} differ")
+    if nonfinite not in ("raise", "top"):
+        raise ValueError(f"witness_codes: nonfinite must be 'raise' or 'top', got {nonfinite!r}")
     D = k.shape[-1]
     if not (k.dtype == k_hat.dtype == torch.float32 and k.is_cpu and k_hat.is_cpu and available()):
-        rho = witness(k.reshape(1, 1, -1, D), k_hat.reshape(1, 1, -1, D), bands)
-        return pack_witness(rho).view(*k.shape[:-1], -1)
+        fin = (torch.isfinite(k).all(-1) & torch.isfinite(k_hat).all(-1))[..., None] if nonfinite == "top" else None
+        if fin is not None:
+            k, k_hat = k.masked_fill(~fin, 0.0), k_hat.masked_fill(~fin, 0.0)
+        codes = pack_witness(witness(k.reshape(1, 1, -1, D), k_hat.reshape(1, 1, -1, D), bands)).view(*k.shape[:-1], -1)
+        return codes if fin is None else codes.masked_fill(~fin, 255)
     bands = _checks.bands_tensor(bands, D).contiguous()
     NB, W = bands.shape
     if D > 512 or NB > 64:
@@ -924,12 +931,68 @@ def witness_codes(k, k_hat, bands):
     out = torch.empty(*k.shape[:-1], NB, dtype=torch.uint8)
     k, k_hat = k.contiguous(), k_hat.contiguous()
     bad = _lib().kvcert_witness_codes(k.data_ptr(), k_hat.data_ptr(), n, D, bands.data_ptr(), NB, W, _band_margin(W),
-                                      log_table32().data_ptr(), out.data_ptr()) if n else 0
+                                      log_table32().data_ptr(), out.data_ptr(), int(nonfinite == "top")) if n else 0
     if bad < 0:
         raise ValueError("witness_codes: the kernel refused the bands or the head size")
     if bad:
         raise ValueError(f"witness_codes: {bad} rows hold NaN/Inf or a witness above the largest fp32: nothing certified for them")
     return out
+
+
+PAGE_BITS = {"int8": 8, "int4": 4}
+
+
+def page_write(k, v, slots, page, codec, bands=None):
+    """Quantize keys and values k, v [n, Hkv, D] (taken as fp32) into a packed page in one C++ pass (csrc:
+    kvcert_page_write): each (token, KV head) row as fast.core.quant.quantize(row, codec, group_size=D) stores it, bit
+    for bit (one fp16 scale per row, codes int8, or int4 two a byte with the even channel in the low nibble), and with
+    bands [NB, W] the key's witness codes against the key the page now decodes to (witness_codes' operations). page:
+    a tensor [num_blocks, Hkv, bs, C] (any dtype) whose (block, head) slabs of bs C elements are contiguous, each slab
+    laid out as fast.integrations.vllm.packed_views says: key codes [bs, Wc], value codes [bs, Wc] (Wc = D, or D / 2 for
+    int4), key scales [bs] and value scales [bs] (fp16 bits), witness [bs, NB]. slots [n] (< 0: skipped): token i goes
+    to block slots[i] // bs, offset slots[i] % bs. A row holding NaN/Inf is stored as zeros with an fp16 NaN scale (it
+    decodes to NaN, which every read refuses) and, for a key, the top witness code. ValueError for bad arguments, a
+    slot past the page, a row whose max |x| does not fit an fp16 scale, or a witness above the largest fp32."""
+    if codec not in PAGE_BITS:
+        raise ValueError(f"page_write: codec must be one of {tuple(PAGE_BITS)}, got {codec!r}")
+    if not all(isinstance(t, torch.Tensor) for t in (k, v, slots, page)):
+        raise ValueError("page_write: k, v, slots and page must be tensors")
+    if k.dim() != 3 or k.shape != v.shape or slots.shape != (k.shape[0],) or slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"page_write: k, v [n, Hkv, D] alike and slots [n] int, got {tuple(k.shape)}, {tuple(v.shape)}, "
+                         f"{tuple(slots.shape)} {slots.dtype}")
+    n, Hkv, D = k.shape
+    bits = PAGE_BITS[codec]
+    if D > 512 or D % 2:
+        raise ValueError(f"page_write: head size {D} must be even and <= 512")
+    if not available():
+        raise RuntimeError("page_write: the C++ extension is not built (cpu_fused.available() is False)")
+    NB, W, bt = 0, 0, None
+    if bands is not None:
+        bt = _checks.bands_tensor(bands, D).contiguous()
+        NB, W = bt.shape
+        if NB > 64:
+            raise ValueError(f"page_write: {NB} bands > 64")
+    Wc = D if bits == 8 else D // 2
+    try:
+        pg = page.view(torch.uint8) if page.dim() == 4 else None
+    except RuntimeError:  # a dtype view needs the last dimension contiguous
+        pg = None
+    if pg is None or page.shape[1] != Hkv or not page.is_cpu or pg.stride(3) != 1 or pg.stride(2) != pg.shape[3]:
+        raise ValueError(f"page_write: page must be a CPU tensor [num_blocks, {Hkv}, bs, C] with contiguous slabs")
+    nb, _, bs, row = pg.shape
+    if bs * row < bs * (2 * Wc + 4 + NB):
+        raise ValueError(f"page_write: a slot holds {row} bytes, the packed {codec} page needs {2 * Wc + 4 + NB}")
+    k, v = k.to(torch.float32).contiguous(), v.to(torch.float32).contiguous()
+    slots = slots.to(torch.int64).contiguous()
+    got = _lib().kvcert_page_write(k.data_ptr(), v.data_ptr(), n, Hkv, D, slots.data_ptr(), nb, bs, pg.data_ptr(),
+                                   pg.stride(0), pg.stride(1), bits, bt.data_ptr() if NB else None, NB, W,
+                                   _band_margin(W) if NB else 1.0, log_table32().data_ptr())
+    if got == -1:
+        raise ValueError(f"page_write: a slot lies past the page's {nb * bs} slots")
+    if got < -1:
+        i = -2 - got
+        raise ValueError(f"page_write: token {i // Hkv}, KV head {i % Hkv}: its max |x| does not fit an fp16 scale "
+                         "or its witness exceeds the largest fp32 (nothing certified for it)")
 
 
 # ---- the attention_rows contract ----

@@ -18,7 +18,7 @@ import torch
 from fast.core.threads import read_threads
 
 SRC = Path(__file__).resolve().parent / "csrc" / "cpu_fused.cpp"
-ABI = 8  # csrc: kvcert_fused_abi (bumped with every change of Seg / Args)
+ABI = 9  # csrc: kvcert_fused_abi (bumped with every change of Seg / Args or of an entry point's arguments)
 FLAGS = ["-O3", "-g", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp", "-fopenmp-simd", "-fPIC", "-shared", "-std=c++17"]
 
 
@@ -118,8 +118,13 @@ def _lib(scalar=False):
                                              ctypes.c_int64, ctypes.c_int64, ctypes.c_double, ctypes.c_float, ctypes.c_void_p]
         lib.kvcert_paged_witness.restype = ctypes.c_int64
         lib.kvcert_witness_codes.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_void_p,
-                                             *[ctypes.c_int64] * 2, ctypes.c_double, ctypes.c_void_p, ctypes.c_void_p]
+                                             *[ctypes.c_int64] * 2, ctypes.c_double, ctypes.c_void_p, ctypes.c_void_p,
+                                             ctypes.c_int]
         lib.kvcert_witness_codes.restype = ctypes.c_int64
+        lib.kvcert_page_write.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p,
+                                          *[ctypes.c_int64] * 2, ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_int,
+                                          ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_double, ctypes.c_void_p]
+        lib.kvcert_page_write.restype = ctypes.c_int64
         lib.kvcert_epilogue.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(_EpiConst), ctypes.c_void_p]
         lib.kvcert_epilogue.restype = ctypes.c_int
         lib.kvcert_lut_is_grid.argtypes = [ctypes.c_void_p]

@@ -193,6 +193,9 @@ SCALE_BYTES = {"int8": 2, "int4_per_token_head": 2, "fp8_per_token_head": 4}  # 
 CODE_BYTES = {"int8": 1, "int4_per_token_head": 0.5, "fp8_per_token_head": 1}  # per channel
 
 
+PAGE_CODEC = {"int8": "int8", "int4_per_token_head": "int4"}  # packed codecs written by cpu_fused.page_write
+
+
 def packed_row_bytes(D, NB, certify=True, codec="int8"):
     """Bytes per (cache slot, KV head) of the packed page (KVCERT_CODEC in PACKED): key and value codes (D bytes each,
     D / 2 for int4: CODE_BYTES), their scales (fp16 for int8 and int4, fp32 for fp8: SCALE_BYTES each), the witness's
@@ -344,6 +347,45 @@ class StartupError(SystemExit):
     raised inside vLLM's start-up would come back under vLLM's tracebacks, from every process)."""
 
 
+def write_page(key, value, kv_cache, slot_mapping, codec, bands, fault=None, fused=True, views=None):
+    """Quantize keys and values [n, Hkv, D] (page_codes) into the packed page kv_cache (packed_views; views: those
+    views, if the caller has them) at slot_mapping (< 0: skipped), and with bands the witness codes of each exact key
+    against exactly the key the page now decodes to (fault, if any: KVCERT_FAULT, applied to the stored key scale: a
+    wrong scale). int8 and int4 pages without a fault, with the extension built (fused): one C++ pass,
+    cpu_fused.page_write, the same bytes as the torch code below (tests/test_vllm_page.py checks it)."""
+    if fused and codec in PAGE_CODEC and fault is None and cpu_fused.available():
+        cpu_fused.page_write(key, value, slot_mapping, kv_cache, PAGE_CODEC[codec], bands)
+        return
+    ok = slot_mapping >= 0
+    slots, k, v = slot_mapping[ok], key[ok].float(), value[ok].float()
+    kc, vc, ks, vs, rc = views if views is not None else packed_views(kv_cache, k.shape[-1], 0 if bands is None else len(bands), codec)
+    bs = kc.shape[2]
+    blk, off = slots // bs, slots % bs
+    Hkv = k.shape[1]
+    code, scale = page_codes(torch.cat([k, v], 1), codec)  # one quantize call for both: per (token, head) all the same
+    kcode, vcode, kscale, vscale = code[:, :Hkv], code[:, Hkv:], scale[:, :Hkv], scale[:, Hkv:]
+    if fault is not None:  # a faulty quantizer (demos, tests): a wrong key scale
+        kscale = (kscale.float() * fault).to(kscale.dtype)
+    kc[blk, :, off], vc[blk, :, off] = kcode, vcode
+    ks[blk, :, off], vs[blk, :, off] = kscale.view(ks.dtype), vscale.view(vs.dtype)
+    if rc is None:
+        return
+    stored = page_decode(kcode, kscale.view(ks.dtype), codec)  # what the kernel decodes
+    # a non-finite row: the top code (a vacuous witness); its NaN scale makes the read refuse it anyway
+    rc[blk, :, off] = cpu_fused.witness_codes(k, stored, bands, nonfinite="top")  # [n, Hkv, NB]
+
+
+_ARANGE = torch.arange(0)
+
+
+def _positions(a, b):
+    """int32 positions a .. b - 1: a view of one shared arange (grown when needed; never written)."""
+    global _ARANGE
+    if _ARANGE.numel() < b:
+        _ARANGE = torch.arange(max(b, 2 * _ARANGE.numel(), 4096), dtype=torch.int32)
+    return _ARANGE[a:b]
+
+
 def _refuse(err):
     if _MAKE_LLM:  # make_llm's callers get a ValueError they can catch
         raise ValueError(str(err)) from None
@@ -379,6 +421,7 @@ class _State:
         self.repaired = {}  # request -> {layer: bool [Hkv]}: the gate's state while the request runs
         self.pending = []  # kernel reads of this step whose certificates are not computed yet (see flush)
         self.pending_layers = set()
+        self._step_md, self._step = None, None
         self.clear()
 
     def clear(self):
@@ -441,6 +484,15 @@ class _State:
             s["tau_error"] = str(e)
             tau = 0.0
         return cfg.gate.tau if tau is None else tau
+
+    def step_of(self, md):
+        """(query_start_loc, seq_lens as lists, request ids) of a step's attention metadata: computed at the first
+        layer that reads it, then reused by the step's other layers (the same metadata object; the object is held
+        here, so a later step's metadata is never mistaken for it)."""
+        if self._step_md is not md:
+            seq = md.seq_lens.tolist()
+            self._step_md, self._step = md, (md.query_start_loc.tolist(), seq, self.req_ids(len(seq)))
+        return self._step
 
     def req_ids(self, n):
         runner = self.runner
@@ -541,29 +593,8 @@ def _backend_classes():
             return self._gather(self.rho, blocks, N)
 
         def _write_packed(self, key, value, kv_cache, slot_mapping):
-            """Quantize keys and values [n, Hkv, D] (page_codes) into the packed page at slot_mapping (< 0: skipped),
-            and the witness of each exact key against exactly the key the page now decodes to (the fault, if any,
-            applied to the stored scale: a wrong scale)."""
-            ok = slot_mapping >= 0
-            slots, k, v = slot_mapping[ok], key[ok].float(), value[ok].float()
-            kc, vc, ks, vs, rc = self._packed(kv_cache)
-            bs = kc.shape[2]
-            blk, off = slots // bs, slots % bs
-            Hkv = k.shape[1]
-            codec = self.cfg.codec
-            code, scale = page_codes(torch.cat([k, v], 1), codec)  # one quantize call for both: per (token, head) all the same
-            kcode, vcode, kscale, vscale = code[:, :Hkv], code[:, Hkv:], scale[:, :Hkv], scale[:, Hkv:]
-            if self.cfg.fault is not None:  # KVCERT_FAULT: a faulty quantizer (demos, tests): a wrong key scale
-                kscale = (kscale.float() * self.cfg.fault).to(kscale.dtype)
-            kc[blk, :, off], vc[blk, :, off] = kcode, vcode
-            ks[blk, :, off], vs[blk, :, off] = kscale.view(ks.dtype), vscale.view(vs.dtype)
-            if rc is None:
-                return
-            stored = page_decode(kcode, kscale.view(ks.dtype), codec)  # what the kernel decodes
-            fin = (torch.isfinite(k).all(-1) & torch.isfinite(stored).all(-1))[..., None]  # [n, Hkv, 1]
-            codes = cpu_fused.witness_codes(k.masked_fill(~fin, 0.0), stored.masked_fill(~fin, 0.0), self.band_idx)  # [n, Hkv, NB]
-            # a non-finite row: the top code (a vacuous witness); its NaN scale makes the read refuse it anyway
-            rc[blk, :, off] = codes.masked_fill(~fin, 255)
+            write_page(key, value, kv_cache, slot_mapping, self.cfg.codec, self.band_idx if self.cfg.certify else None,
+                       self.cfg.fault, views=self._packed(kv_cache))
 
         def _lidx(self, layer):
             if getattr(self, "_layer_idx", None) is None:
@@ -694,13 +725,13 @@ def _backend_classes():
             baseline of the same codes); every request's rows written into vLLM's output."""
             H, D = self.num_heads, self.head_size
             n = md.num_actual_tokens
-            qsl, seq = md.query_start_loc.tolist(), md.seq_lens.tolist()
+            qsl, seq, _ = STATE.step_of(md)
             q_all, out_all = query[:n].view(n, H, D).float(), output[:n].view(n, H, D)
             for b in range(len(seq)):
                 t0, t1, N = qsl[b], qsl[b + 1], seq[b]
                 if t1 <= t0 or N <= 0:
                     continue
-                pos = torch.arange(N - (t1 - t0), N, dtype=torch.int32)
+                pos = _positions(N - (t1 - t0), N)
                 out, _ = self._kernel(q_all[t0:t1], kv_cache, md.block_table[b:b + 1], N, pos, None, False)
                 out_all[t0:t1] = out[0].to(out_all.dtype)
 
@@ -736,9 +767,7 @@ def _backend_classes():
             if STATE.impls and STATE.impls[0] is self:  # once per step: drop what finished requests left
                 STATE.retire()
             n = md.num_actual_tokens
-            qsl = md.query_start_loc.tolist()
-            seq = md.seq_lens.tolist()
-            ids = STATE.req_ids(len(seq))
+            qsl, seq, ids = STATE.step_of(md)
             lidx = self._lidx(layer)
             q_all = query[:n].view(n, H, D).float()
             out_all = output[:n].view(n, H, D)
@@ -750,7 +779,7 @@ def _backend_classes():
                 T = t1 - t0
                 if T <= 0 or N <= 0:
                     continue
-                pos = torch.arange(N - T, N, dtype=torch.int32)
+                pos = _positions(N - T, N)
                 q = q_all[t0:t1]  # [T, H, D]
                 table = md.block_table[b:b + 1]
                 into = out_all[t0:t1].view(1, T, H, D) if direct else None  # served: the certified read
@@ -805,10 +834,12 @@ def _backend_classes():
                     true_tv = _true_tv(q, ek, k, pos, self.scale, rep)  # [T, H]
             s["rows"] += T
             s["reads"] += T * H
-            top = float(bound.max())
+            top, total = e.get("top_sum") or (float(bound.max()), float(bound.sum()))
+            if served is not bound:  # the gate's repairs: the served bounds
+                total = float(served.sum())
             s["max_bound"] = max(s["max_bound"], top if served is bound else float(served.max()))
             s["max_pre_gate"] = max(s["max_pre_gate"], top)
-            s["sum_bound"] += float(served.sum())
+            s["sum_bound"] += total
             s["repairs"] += len(fresh)
             s["repaired_heads"] += [[lidx, tp_rank * Hkv + h] for h in fresh]
             rec = {"request": e["request"], "layer": lidx, "tp_rank": tp_rank, "pp_rank": pp_rank,
@@ -862,8 +893,10 @@ def _finish(entries):
         cert = cpu_fused._certificate(stats, NB, max(e["N"] for e in pend), D)
         if cert is not None:
             bound, i = cert["min"][:, 0], 0
+            tops, sums = bound.amax(1).tolist(), bound.sum(1).tolist()  # per row, for the summaries
             for e in pend:
                 e["bound"] = bound[i:i + e["T"]]
+                e["top_sum"] = (max(tops[i:i + e["T"]]), sum(sums[i:i + e["T"]]))
                 i += e["T"]
     for e in entries:
         if "bound" not in e:
@@ -885,7 +918,12 @@ def _metrics():
     API server's /metrics (get_prometheus_registry, v1/metrics/prometheus.py) then collects them from the
     engine-core process through the directory. None otherwise (the counters would not reach /metrics)."""
     global METRICS
-    if METRICS is None and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    if METRICS is False:  # looked once: not in multiprocess mode (vLLM sets the variable before its engine starts)
+        return None
+    if METRICS is None and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        METRICS = False
+        return None
+    if METRICS is None:
         from prometheus_client import Counter, Histogram
         METRICS = {"reads": Counter("kvcert_certified_reads", "certified (row, query head) reads of the KV cache"),
                    "repairs": Counter("kvcert_repairs", "(request, layer, KV head) served from the exact store by the gate"),
@@ -1234,7 +1272,7 @@ def make_llm(model, *, codec="fp8_e4m3", gate="none", shadow=False, certify=True
     try:
         load_general_plugins()
         register()  # in case the plugins were loaded in this process before the switch was set
-        return LLM(model, **kwargs)
+        return LLM(str(model), **kwargs)  # a pathlib.Path too (vLLM calls str methods on it)
     finally:
         _MAKE_LLM = False
 

@@ -1777,7 +1777,7 @@ int epilogue(const double* st, int64_t rows, const EpiConst& k, float* out) {
 
 extern "C" {
 
-int kvcert_fused_abi() { return 8; }
+int kvcert_fused_abi() { return 9; }
 
 int kvcert_fused_avx2() { return KVCERT_AVX2; }
 
@@ -1870,6 +1870,25 @@ inline float band_witness(const double* r, const int64_t* idx, int64_t W, double
     return f;
 }
 
+// pack_witness(witness(k, k~, bands)) of one row (kvcert_witness_codes below) into c[NB]: 0 (c written), 1 (NaN/Inf in
+// k or khat: nothing written), 2 (a witness above the largest fp32: c not all written)
+inline int witness_row_codes(const float* k, const float* kh, int64_t D, const int64_t* bands, int64_t NB, int64_t W,
+                             double margin, const float* lut, uint8_t* c) {
+    double r[512];
+    bool finite = true;
+    for (int64_t d = 0; d < D; ++d) {
+        r[d] = (double)k[d] - (double)kh[d];
+        finite = finite && std::isfinite(r[d]);
+    }
+    if (!finite) return 1;
+    for (int64_t b = 0; b < NB; ++b) {
+        const float f = band_witness(r, bands + b * W, W, margin);
+        if (!std::isfinite(f)) return 2;  // a witness above the largest fp32 (no code holds it): the row is refused
+        c[b] = (uint8_t)(std::lower_bound(lut, lut + 255, f) - lut);  // lut[255] >= every finite f
+    }
+    return 0;
+}
+
 // pack_witness(witness(k, k~, bands)) (fast.core.witness) of n rows of D fp32, key and khat contiguous rows: the band
 // witness (math.md T4) with kvcert_paged_witness's operations below (r = fl64(k - k~), the W squares summed in fp64 in
 // band order, sqrt, times margin = 1 + 2 gamma_{W+4}, one ulp up, cast to fp32 rounded up; any summation order is
@@ -1877,38 +1896,112 @@ inline float band_witness(const double* r, const int64_t* idx, int64_t W, double
 // table lut (fp32 [256], lut[255] the largest fp32). out: n rows of NB codes. Returns the number of rows holding
 // NaN/Inf in key or khat or a witness above the largest fp32 (their codes are not written: the caller raises), or -1
 // (nothing written) when D > 512, NB > 64 or a band index lies outside [0, D) (cpu_fused.witness_codes checks first).
+// top = 1: a row holding NaN/Inf gets the top code 255 in every band instead (not counted: the caller stores a row
+// whose decoded key is not finite, which every read refuses); a finite row's witness above the largest fp32 still counts.
 int64_t kvcert_witness_codes(const float* key, const float* khat, int64_t n, int64_t D, const int64_t* bands, int64_t NB,
-                             int64_t W, double margin, const float* lut, uint8_t* out) {
+                             int64_t W, double margin, const float* lut, uint8_t* out, int top) {
     if (D > 512 || NB > 64) return -1;
     for (int64_t i = 0; i < NB * W; ++i)
         if (bands[i] < 0 || bands[i] >= D) return -1;
     int64_t bad = 0;
     for (int64_t i = 0; i < n; ++i) {
-        const float* k = key + i * D;
-        const float* kh = khat + i * D;
-        double r[512];
-        bool finite = true;
-        for (int64_t d = 0; d < D; ++d) {
-            r[d] = (double)k[d] - (double)kh[d];
-            finite = finite && std::isfinite(r[d]);
-        }
-        if (!finite) {
-            ++bad;
-            continue;
-        }
         uint8_t c[64];
-        for (int64_t b = 0; b < NB && finite; ++b) {
-            const float f = band_witness(r, bands + b * W, W, margin);
-            finite = std::isfinite(f);  // a witness above the largest fp32 (no code holds it): the row is refused
-            c[b] = (uint8_t)(std::lower_bound(lut, lut + 255, f) - lut);  // lut[255] >= every finite f
-        }
-        if (!finite) {
+        const int got = witness_row_codes(key + i * D, khat + i * D, D, bands, NB, W, margin, lut, c);
+        if (got == 1 && top) {
+            std::fill(out + i * NB, out + (i + 1) * NB, (uint8_t)255);
+        } else if (got) {
             ++bad;
-            continue;
+        } else {
+            std::copy(c, c + NB, out + i * NB);
         }
-        for (int64_t b = 0; b < NB; ++b) out[i * NB + b] = c[b];
     }
     return bad;
+}
+
+// The smallest fp16 (bits) >= s for finite s >= 0, 2^-24 (bits 1) for s = 0, +inf (0x7C00) above the largest fp16:
+// fast.core.quant._fp16_scale_up's result (its cast lands on one of the two fp16 neighbours of s, then moves up when
+// below; either way the smallest one >= s). A search over the positive finite bit patterns (increasing in value).
+inline uint16_t fp16_scale_up(double s) {
+    if (s > 65504.0) return 0x7C00;
+    uint16_t lo = 1, hi = 0x7BFF;  // half_to_float(hi) = 65504 >= s
+    while (lo < hi) {
+        const uint16_t mid = (uint16_t)((lo + hi) / 2);
+        if ((double)half_to_float(mid) >= s) hi = mid;
+        else lo = mid + 1;
+    }
+    return lo;
+}
+
+// One row x[D] fp32 (finite) as fast.core.quant.quantize(x, "int8" / "int4", group_size = D) stores it: scale =
+// fp16_scale_up(fl64(max |x|) / qmax), codes m = round half to even of fl32(x / scale) clamped to [-qmax, qmax] (the
+// clamp never binds); int8: m as int8 bytes, int4: nibbles m + 8, channel 2 i in byte i's low nibble, 2 i + 1 in its
+// high one. khat[D] (may be null): the decoded row m * scale (exact in fp32). Returns the scale's bits (0x7C00: the
+// row's max |x| does not fit an fp16 scale, nothing else written).
+inline uint16_t quantize_row(const float* x, int64_t D, int bits, uint8_t* codes, float* khat) {
+    const double qmax = bits == 8 ? 127.0 : 7.0;
+    float amax = 0.0f;
+    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+    const uint16_t sb = fp16_scale_up((double)amax / qmax);
+    if (sb == 0x7C00) return sb;
+    const float sc = half_to_float(sb);
+    for (int64_t d = 0; d < D; ++d) {
+        const float m = std::min((float)qmax, std::max(-(float)qmax, std::nearbyint(x[d] / sc)));
+        if (bits == 8) {
+            codes[d] = (uint8_t)(int8_t)m;
+        } else {
+            const uint8_t nib = (uint8_t)((int)m + 8);
+            codes[d >> 1] = (d & 1) ? (uint8_t)((codes[d >> 1] & 0x0F) | (nib << 4)) : (uint8_t)((codes[d >> 1] & 0xF0) | nib);
+        }
+        if (khat) khat[d] = m * sc;
+    }
+    return sb;
+}
+
+// The packed int8 / int4 page write of fast.integrations.vllm (KVCertImpl._write_packed without a fault): n tokens'
+// keys and values k, v [n, Hkv, D] fp32 contiguous, each (token, KV head) row quantized (quantize_row) into the slab of
+// block slots[i] / bs, head h, at offset o = slots[i] % bs: key codes at byte o * Wc, value codes at (bs + o) * Wc (Wc = D
+// or D / 2 bytes), key scale (fp16 bits) at 2 bs Wc + 2 o, value scale at 2 bs Wc + 2 bs + 2 o, witness codes (NB bytes,
+// none when NB = 0) at 2 bs Wc + 4 bs + o NB: witness_row_codes of the key against the decoded key. page: byte 0 of block
+// 0, head 0; slab (b, h) at page + b * sb + h * sh. A row holding NaN/Inf is stored as quantize stores zeros, its scale
+// fp16 NaN (0x7E00: it decodes to NaN, which every read refuses) and a key's witness the top code 255. slots < 0 are
+// skipped. Returns 0; -1 (nothing written) for a slot >= nblocks * bs, D > 512 or odd for int4, NB > 64, or a band index
+// outside [0, D); -2 - i for the first row i (token * Hkv + head; rows before it written) whose max |x| does not fit an
+// fp16 scale or whose witness exceeds the largest fp32 (cpu_fused.page_write raises).
+int64_t kvcert_page_write(const float* k, const float* v, int64_t n, int64_t Hkv, int64_t D, const int64_t* slots,
+                          int64_t nblocks, int64_t bs, uint8_t* page, int64_t sb, int64_t sh, int bits,
+                          const int64_t* bands, int64_t NB, int64_t W, double margin, const float* lut) {
+    if (D > 512 || (bits == 4 && D % 2) || (bits != 8 && bits != 4) || NB > 64 || bs < 1) return -1;
+    for (int64_t i = 0; i < NB * W; ++i)
+        if (bands[i] < 0 || bands[i] >= D) return -1;
+    for (int64_t i = 0; i < n; ++i)
+        if (slots[i] >= nblocks * bs) return -1;
+    const int64_t Wc = bits == 8 ? D : D / 2;
+    static const float zero[512] = {};
+    for (int64_t i = 0; i < n; ++i) {
+        if (slots[i] < 0) continue;
+        const int64_t blk = slots[i] / bs, o = slots[i] % bs;
+        for (int64_t h = 0; h < Hkv; ++h) {
+            uint8_t* slab = page + blk * sb + h * sh;
+            for (int s = 0; s < 2; ++s) {  // 0: the key, 1: the value
+                const float* x = (s ? v : k) + (i * Hkv + h) * D;
+                bool finite = true;
+                for (int64_t d = 0; d < D; ++d) finite = finite && std::isfinite(x[d]);
+                float khat[512];
+                uint16_t scb = quantize_row(finite ? x : zero, D, bits, slab + (s * bs + o) * Wc, khat);
+                if (scb == 0x7C00) return -2 - (i * Hkv + h);
+                if (!finite) scb = 0x7E00;
+                std::memcpy(slab + 2 * bs * Wc + s * 2 * bs + 2 * o, &scb, 2);
+                if (s || !NB) continue;
+                uint8_t* c = slab + 2 * bs * Wc + 4 * bs + o * NB;
+                if (!finite) {
+                    std::fill(c, c + NB, (uint8_t)255);
+                } else if (witness_row_codes(x, khat, D, bands, NB, W, margin, lut, c)) {
+                    return -2 - (i * Hkv + h);
+                }
+            }
+        }
+    }
+    return 0;
 }
 
 // The band witness (math.md T4) of n exact keys against what a paged cache stores for them, written into the
