@@ -1,4 +1,4 @@
-"""The packed int8 / int4 page write (fast.integrations.vllm.write_page): the C++ pass (cpu_fused.page_write) writes
+"""The packed int8 / int4 / fp8 page write (fast.integrations.vllm.write_page): the C++ pass (cpu_fused.page_write) writes
 the same bytes as the torch code it replaces (quantize, scatter, decode, witness codes), and the page it writes decodes
 to keys whose witness covers the exact keys (mpmath). No vLLM needed: the page is a plain tensor in vLLM's layout."""
 
@@ -13,7 +13,7 @@ from fast.core import cpu_fused
 from fast.core.witness import unpack_witness
 from fast.integrations.vllm import packed_row_bytes, packed_views, page_decode, write_page
 
-CODECS = ["int8", "int4_per_token_head"]
+CODECS = ["int8", "int4_per_token_head", "fp8_per_token_head"]
 
 
 def _rows(g, n, Hkv, D, spread, qmax, kinds):
@@ -45,7 +45,7 @@ def test_page_write_is_the_torch_write(seed, n, codec, NB, spread, kinds):
     witness codes (mpmath, 60 digits), and the codes and scales are fast.core.quant's."""
     g = torch.Generator().manual_seed(seed)
     Hkv, D, nb, bs = 2, 16, 3, 4
-    qmax = 127.0 if codec == "int8" else 7.0
+    qmax = {"int8": 127.0, "int4_per_token_head": 7.0, "fp8_per_token_head": 448.0}[codec]
     bands = fast.rope_bands(D, NB) if NB else None
     C = packed_row_bytes(D, NB, certify=bool(NB), codec=codec) // 4
     page = torch.randint(-2**31, 2**31 - 1, (nb, Hkv, bs, C), generator=g, dtype=torch.int32).view(torch.float32)
@@ -62,8 +62,8 @@ def test_page_write_is_the_torch_write(seed, n, codec, NB, spread, kinds):
     written[slots[slots >= 0]] = True
     free = ~written.view(nb, 1, bs).expand(nb, Hkv, bs)
     for now, before in zip((kc, vc, ks, vs, rc), packed_views(page, D, NB, codec)):  # other slots' parts untouched
-        assert now is None or torch.equal(now[free], before[free])
-    used = bs * (2 * kc.shape[-1] + 4 + NB)  # the slab's padding past the parts, untouched too
+        assert now is None or torch.equal(now[free].contiguous().view(torch.uint8), before[free].contiguous().view(torch.uint8))
+    used = bs * (2 * kc.shape[-1] + 2 * ks.element_size() + NB)  # the slab's padding past the parts, untouched too
     assert torch.equal(fused.view(torch.uint8).view(nb, Hkv, -1)[:, :, used:], page.view(torch.uint8).view(nb, Hkv, -1)[:, :, used:])
     for i, sl in enumerate(slots.tolist()):
         if sl < 0:
@@ -76,7 +76,7 @@ def test_page_write_is_the_torch_write(seed, n, codec, NB, spread, kinds):
                 if NB:
                     assert bool((rc[b, h, o] == 255).all())
                 continue
-            scale = float(ks[b, h, o].view(torch.float16))
+            scale = float(ks[b, h, o].view(torch.float16) if ks.dtype == torch.int16 else ks[b, h, o])
             assert scale >= float(k[i, h].abs().max()) / qmax and (scale > 0)  # fp16 scale up: nothing clipped
             if NB:
                 with workdps(60):
@@ -116,3 +116,25 @@ def test_page_write_refuses_bad_input():
         cpu_fused.page_write(k, k, torch.tensor([0, 1, 2]), torch.zeros(2, Hkv, 4, 4), "int8", bands)
     with pytest.raises(ValueError, match="contiguous slabs"):
         cpu_fused.page_write(k, k, torch.tensor([0, 1, 2]), page.transpose(2, 3), "int8", bands)
+
+
+def test_page_write_fp8_rounds_to_nearest_even():
+    """fp8 e4m3 bytes: ties go to the even byte, subnormals included, the sign kept on -0 and tiny negatives, as
+    fast.core.quant's cast (torch's float8_e4m3fn) gives them; every fp32 y on a fine grid of [-448, 448] alike."""
+    D = 8
+    row = torch.tensor([448.0, 9.5, 10.5, -9.5, 17.0, 19.0, 2.0 ** -10, 3 * 2.0 ** -10])  # scale 448 / 448 = 1
+    C = packed_row_bytes(D, 0, certify=False, codec="fp8_per_token_head") // 4
+    page = torch.zeros(1, 1, 2, C)
+    cpu_fused.page_write(row[None, None], row[None, None], torch.tensor([0]), page, "fp8_e4m3")
+    kc, _, ks, _, _ = packed_views(page, D, 0, "fp8_per_token_head")
+    assert kc[0, 0, 0].view(torch.float8_e4m3fn).float().tolist() == [448.0, 10.0, 10.0, -10.0, 16.0, 20.0, 0.0, 2.0 ** -8]
+    assert float(ks[0, 0, 0]) == 1.0
+    # the cast itself, against torch's, on 2^16 + 2 values of y per row (scale 1: the row's max is 448)
+    y = torch.cat([torch.linspace(-448, 448, 2 ** 16), torch.tensor([-0.0, -2.0 ** -12])])
+    y = torch.cat([y, torch.full((-y.numel() % 7,), 1.0)]).view(-1, 1, 7)
+    rows = torch.cat([torch.full((y.shape[0], 1, 1), 448.0), y], -1)
+    page = torch.zeros(rows.shape[0], 1, 1, C)
+    cpu_fused.page_write(rows, rows, torch.arange(rows.shape[0]), page, "fp8_e4m3")
+    kc, _, ks, _, _ = packed_views(page, D, 0, "fp8_per_token_head")
+    assert bool((ks == 1.0).all())
+    assert torch.equal(kc[:, 0, 0], rows[:, 0].to(torch.float8_e4m3fn).view(torch.uint8))

@@ -939,17 +939,18 @@ def witness_codes(k, k_hat, bands, nonfinite="raise"):
     return out
 
 
-PAGE_BITS = {"int8": 8, "int4": 4}
+PAGE_BITS = {"int8": 8, "int4": 4, "fp8_e4m3": 0}  # csrc kvcert_page_write: bits (0: fp8 e4m3 codes)
 
 
 def page_write(k, v, slots, page, codec, bands=None):
     """Quantize keys and values k, v [n, Hkv, D] (taken as fp32) into a packed page in one C++ pass (csrc:
     kvcert_page_write): each (token, KV head) row as fast.core.quant.quantize(row, codec, group_size=D) stores it, bit
-    for bit (one fp16 scale per row, codes int8, or int4 two a byte with the even channel in the low nibble), and with
-    bands [NB, W] the key's witness codes against the key the page now decodes to (witness_codes' operations). page:
-    a tensor [num_blocks, Hkv, bs, C] (any dtype) whose (block, head) slabs of bs C elements are contiguous, each slab
-    laid out as fast.integrations.vllm.packed_views says: key codes [bs, Wc], value codes [bs, Wc] (Wc = D, or D / 2 for
-    int4), key scales [bs] and value scales [bs] (fp16 bits), witness [bs, NB]. slots [n] (< 0: skipped): token i goes
+    for bit (one fp16 scale per row, codes int8, or int4 two a byte with the even channel in the low nibble; fp8_e4m3:
+    per_token_scale=True, one fp32 scale per row, the e4m3 bytes rounded to nearest even), and with bands [NB, W] the
+    key's witness codes against the key the page now decodes to (witness_codes' operations). page: a tensor
+    [num_blocks, Hkv, bs, C] (any dtype) whose (block, head) slabs of bs C elements are contiguous, each slab laid out
+    as fast.integrations.vllm.packed_views says: key codes [bs, Wc], value codes [bs, Wc] (Wc = D, or D / 2 for int4),
+    key scales [bs] and value scales [bs] (fp16 bits; fp8: fp32), witness [bs, NB]. slots [n] (< 0: skipped): token i goes
     to block slots[i] // bs, offset slots[i] % bs. A row holding NaN/Inf is stored as zeros with an fp16 NaN scale (it
     decodes to NaN, which every read refuses) and, for a key, the top witness code. ValueError for bad arguments, a
     slot past the page, a row whose max |x| does not fit an fp16 scale, or a witness above the largest fp32."""
@@ -972,7 +973,7 @@ def page_write(k, v, slots, page, codec, bands=None):
         NB, W = bt.shape
         if NB > 64:
             raise ValueError(f"page_write: {NB} bands > 64")
-    Wc = D if bits == 8 else D // 2
+    Wc, S = D // 2 if bits == 4 else D, 4 if bits == 0 else 2
     try:
         pg = page.view(torch.uint8) if page.dim() == 4 else None
     except RuntimeError:  # a dtype view needs the last dimension contiguous
@@ -980,8 +981,8 @@ def page_write(k, v, slots, page, codec, bands=None):
     if pg is None or page.shape[1] != Hkv or not page.is_cpu or pg.stride(3) != 1 or pg.stride(2) != pg.shape[3]:
         raise ValueError(f"page_write: page must be a CPU tensor [num_blocks, {Hkv}, bs, C] with contiguous slabs")
     nb, _, bs, row = pg.shape
-    if bs * row < bs * (2 * Wc + 4 + NB):
-        raise ValueError(f"page_write: a slot holds {row} bytes, the packed {codec} page needs {2 * Wc + 4 + NB}")
+    if row < 2 * Wc + 2 * S + NB:
+        raise ValueError(f"page_write: a slot holds {row} bytes, the packed {codec} page needs {2 * Wc + 2 * S + NB}")
     k, v = k.to(torch.float32).contiguous(), v.to(torch.float32).contiguous()
     slots = slots.to(torch.int64).contiguous()
     got = _lib().kvcert_page_write(k.data_ptr(), v.data_ptr(), n, Hkv, D, slots.data_ptr(), nb, bs, pg.data_ptr(),

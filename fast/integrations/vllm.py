@@ -193,7 +193,7 @@ SCALE_BYTES = {"int8": 2, "int4_per_token_head": 2, "fp8_per_token_head": 4}  # 
 CODE_BYTES = {"int8": 1, "int4_per_token_head": 0.5, "fp8_per_token_head": 1}  # per channel
 
 
-PAGE_CODEC = {"int8": "int8", "int4_per_token_head": "int4"}  # packed codecs written by cpu_fused.page_write
+PAGE_CODEC = {"int8": "int8", "int4_per_token_head": "int4", "fp8_per_token_head": "fp8_e4m3"}  # cpu_fused.page_write's
 
 
 def packed_row_bytes(D, NB, certify=True, codec="int8"):
@@ -351,7 +351,7 @@ def write_page(key, value, kv_cache, slot_mapping, codec, bands, fault=None, fus
     """Quantize keys and values [n, Hkv, D] (page_codes) into the packed page kv_cache (packed_views; views: those
     views, if the caller has them) at slot_mapping (< 0: skipped), and with bands the witness codes of each exact key
     against exactly the key the page now decodes to (fault, if any: KVCERT_FAULT, applied to the stored key scale: a
-    wrong scale). int8 and int4 pages without a fault, with the extension built (fused): one C++ pass,
+    wrong scale). Without a fault, with the extension built (fused): one C++ pass,
     cpu_fused.page_write, the same bytes as the torch code below (tests/test_vllm_page.py checks it)."""
     if fused and codec in PAGE_CODEC and fault is None and cpu_fused.available():
         cpu_fused.page_write(key, value, slot_mapping, kv_cache, PAGE_CODEC[codec], bands)

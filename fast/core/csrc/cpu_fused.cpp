@@ -1957,25 +1957,65 @@ inline uint16_t quantize_row(const float* x, int64_t D, int bits, uint8_t* codes
     return sb;
 }
 
-// The packed int8 / int4 page write of fast.integrations.vllm (KVCertImpl._write_packed without a fault): n tokens'
-// keys and values k, v [n, Hkv, D] fp32 contiguous, each (token, KV head) row quantized (quantize_row) into the slab of
-// block slots[i] / bs, head h, at offset o = slots[i] % bs: key codes at byte o * Wc, value codes at (bs + o) * Wc (Wc = D
-// or D / 2 bytes), key scale (fp16 bits) at 2 bs Wc + 2 o, value scale at 2 bs Wc + 2 bs + 2 o, witness codes (NB bytes,
-// none when NB = 0) at 2 bs Wc + 4 bs + o NB: witness_row_codes of the key against the decoded key. page: byte 0 of block
-// 0, head 0; slab (b, h) at page + b * sb + h * sh. A row holding NaN/Inf is stored as quantize stores zeros, its scale
-// fp16 NaN (0x7E00: it decodes to NaN, which every read refuses) and a key's witness the top code 255. slots < 0 are
-// skipped. Returns 0; -1 (nothing written) for a slot >= nblocks * bs, D > 512 or odd for int4, NB > 64, or a band index
-// outside [0, D); -2 - i for the first row i (token * Hkv + head; rows before it written) whose max |x| does not fit an
-// fp16 scale or whose witness exceeds the largest fp32 (cpu_fused.page_write raises).
+// The e4m3fn byte nearest to y (|y| <= 448, not NaN), ties to the even byte (round to nearest even: the cast of
+// fast.core.quant's fp8_e4m3, y.to(torch.float8_e4m3fn)); the sign bit from y's (so -0 and small negatives keep it)
+inline uint8_t e4m3_nearest(float y) {
+    static const std::vector<double> val = [] {
+        std::vector<double> t(127);
+        for (int c = 0; c < 127; ++c) t[c] = (c >> 3) ? std::ldexp(1.0 + (c & 7) / 8.0, (c >> 3) - 7) : (c & 7) * 0x1p-9;
+        return t;
+    }();
+    const double a = std::fabs((double)y);
+    const int64_t hi = std::lower_bound(val.begin(), val.end(), a) - val.begin();  // first >= a (a <= 448 = val[126])
+    int c = (int)hi;
+    if (hi > 0 && val[hi] != a) {
+        const double dlo = a - val[hi - 1], dhi = val[hi] - a;  // exact: both on fine binary grids
+        c = (dlo < dhi || (dlo == dhi && (hi - 1) % 2 == 0)) ? (int)(hi - 1) : (int)hi;
+    }
+    return (uint8_t)(c | (std::signbit(y) ? 0x80 : 0));
+}
+
+// One row x[D] fp32 (finite) as fast.core.quant._quantize_fp8(x, "fp8_e4m3", per_token_scale=True) stores it: scale
+// = up32(fl64(max |x|) / 448) (1 for a zero row), codes = e4m3_nearest(fl32(x / scale)); khat (may be null): the decoded
+// row fl32(value(code) * scale) (page_decode's product). Returns the scale.
+inline float quantize_row_fp8(const float* x, int64_t D, uint8_t* codes, float* khat) {
+    float amax = 0.0f;
+    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+    const double s64 = amax > 0.0f ? (double)amax / 448.0 : 1.0;
+    float sc = (float)s64;
+    if ((double)sc < s64) sc = std::nextafter(sc, INFINITY);
+    for (int64_t d = 0; d < D; ++d) {
+        codes[d] = e4m3_nearest(x[d] / sc);
+        if (khat) {
+            const int c = codes[d] & 0x7F;
+            const float v = (c >> 3) ? std::ldexp(1.0f + (c & 7) / 8.0f, (c >> 3) - 7) : (c & 7) * 0x1p-9f;
+            khat[d] = ((codes[d] & 0x80) ? -v : v) * sc;
+        }
+    }
+    return sc;
+}
+
+// The packed int8 / int4 / fp8 page write of fast.integrations.vllm (write_page without a fault): n tokens' keys and
+// values k, v [n, Hkv, D] fp32 contiguous, each (token, KV head) row quantized (quantize_row: bits 8 or 4;
+// quantize_row_fp8: bits 0, e4m3 codes with an fp32 scale) into the slab of block slots[i] / bs, head h, at offset o =
+// slots[i] % bs: key codes at byte o * Wc, value codes at (bs + o) * Wc (Wc = D, or D / 2 for int4), key scale (fp16
+// bits, fp32 for fp8: S bytes) at 2 bs Wc + S o, value scale at 2 bs Wc + S bs + S o, witness codes (NB bytes, none
+// when NB = 0) at 2 bs Wc + 2 S bs + o NB: witness_row_codes of the key against the decoded key. page: byte 0 of block
+// 0, head 0; slab (b, h) at page + b * sb + h * sh. A row holding NaN/Inf is stored as quantize stores zeros, its
+// scale NaN (fp16 0x7E00, fp32 0x7FC00000: it decodes to NaN, which every read refuses) and a key's witness the top
+// code 255. slots < 0 are skipped. Returns 0; -1 (nothing written) for a slot >= nblocks * bs, D > 512 or odd for
+// int4, NB > 64, or a band index outside [0, D); -2 - i for the first row i (token * Hkv + head; rows before it
+// written) whose max |x| does not fit an fp16 scale or whose witness exceeds the largest fp32 (cpu_fused.page_write
+// raises).
 int64_t kvcert_page_write(const float* k, const float* v, int64_t n, int64_t Hkv, int64_t D, const int64_t* slots,
                           int64_t nblocks, int64_t bs, uint8_t* page, int64_t sb, int64_t sh, int bits,
                           const int64_t* bands, int64_t NB, int64_t W, double margin, const float* lut) {
-    if (D > 512 || (bits == 4 && D % 2) || (bits != 8 && bits != 4) || NB > 64 || bs < 1) return -1;
+    if (D > 512 || (bits == 4 && D % 2) || (bits != 8 && bits != 4 && bits != 0) || NB > 64 || bs < 1) return -1;
     for (int64_t i = 0; i < NB * W; ++i)
         if (bands[i] < 0 || bands[i] >= D) return -1;
     for (int64_t i = 0; i < n; ++i)
         if (slots[i] >= nblocks * bs) return -1;
-    const int64_t Wc = bits == 8 ? D : D / 2;
+    const int64_t Wc = bits == 4 ? D / 2 : D, S = bits == 0 ? 4 : 2;
     static const float zero[512] = {};
     for (int64_t i = 0; i < n; ++i) {
         if (slots[i] < 0) continue;
@@ -1987,12 +2027,20 @@ int64_t kvcert_page_write(const float* k, const float* v, int64_t n, int64_t Hkv
                 bool finite = true;
                 for (int64_t d = 0; d < D; ++d) finite = finite && std::isfinite(x[d]);
                 float khat[512];
-                uint16_t scb = quantize_row(finite ? x : zero, D, bits, slab + (s * bs + o) * Wc, khat);
-                if (scb == 0x7C00) return -2 - (i * Hkv + h);
-                if (!finite) scb = 0x7E00;
-                std::memcpy(slab + 2 * bs * Wc + s * 2 * bs + 2 * o, &scb, 2);
+                uint8_t* codes = slab + (s * bs + o) * Wc;
+                uint8_t* scale = slab + 2 * bs * Wc + s * S * bs + S * o;
+                if (bits == 0) {
+                    float sc = quantize_row_fp8(finite ? x : zero, D, codes, khat);
+                    if (!finite) sc = NAN;
+                    std::memcpy(scale, &sc, 4);
+                } else {
+                    uint16_t scb = quantize_row(finite ? x : zero, D, bits, codes, khat);
+                    if (scb == 0x7C00) return -2 - (i * Hkv + h);
+                    if (!finite) scb = 0x7E00;
+                    std::memcpy(scale, &scb, 2);
+                }
                 if (s || !NB) continue;
-                uint8_t* c = slab + 2 * bs * Wc + 4 * bs + o * NB;
+                uint8_t* c = slab + 2 * bs * Wc + 2 * S * bs + o * NB;
                 if (!finite) {
                     std::fill(c, c + NB, (uint8_t)255);
                 } else if (witness_row_codes(x, khat, D, bands, NB, W, margin, lut, c)) {
