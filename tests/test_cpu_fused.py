@@ -469,6 +469,32 @@ def test_paged_seg_refuses_bad_tables():
         cpu_fused.paged_seg(16, k=kc.half(), v=vc, rho=None, table=ok, k_transposed=True)
 
 
+def test_paged_seg_reuse_reads_as_a_fresh_segment():
+    """paged_seg(reuse=d) (a serving loop's per-layer segment): the same dict updated for the same base and batch,
+    read bit for bit as a fresh segment at every length and table (the checks _run keeps in it stay valid); another
+    base or batch gets a new dict; a bad table is refused with reuse too."""
+    g = torch.Generator().manual_seed(3)
+    D, bs, nb, Hkv, H = 16, 8, 6, 2, 4
+    kc, vc, rho = torch.randn(nb, Hkv, D, bs, generator=g), torch.randn(nb, Hkv, bs, D, generator=g), torch.rand(nb, Hkv, bs, 4, generator=g)
+    base = cpu_fused.paged_base(k=kc, v=vc, rho=rho, k_transposed=True)
+    bands, empty = fast.rope_bands(D, 4).long().contiguous(), cpu_fused.seg(Hkv, 0)
+    d = None
+    for n, table in ((5, [[3, 1]]), (16, [[0, 5]]), (17, [[2, 4, 1]]), (9, [[5, 0]])):
+        table = torch.tensor(table, dtype=torch.int32)
+        q, qpos = torch.randn(1, 1, H, D, generator=g), torch.tensor([[n - 1]], dtype=torch.int32)
+        fresh = cpu_fused.paged_seg(n, table=table, base=base)
+        d0, d = d, cpu_fused.paged_seg(n, table=table, base=base, reuse=d)
+        assert d0 is None or d is d0
+        a = cpu_fused._run(q, qpos, [fresh, empty], 0.25, bands, 1, 1, True)
+        b = cpu_fused._run(q, qpos, [d, empty], 0.25, bands, 1, 1, True)
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    other = cpu_fused.paged_base(k=kc.clone(), v=vc, rho=rho, k_transposed=True)
+    assert cpu_fused.paged_seg(4, table=table, base=other, reuse=d) is not d
+    assert cpu_fused.paged_seg(4, table=table.expand(2, -1).contiguous(), base=base, reuse=d) is not d
+    with pytest.raises(ValueError, match="block ids"):
+        cpu_fused.paged_seg(9, table=torch.tensor([[5, 6]], dtype=torch.int32), base=base, reuse=d)
+
+
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 6), D=st.sampled_from([16, 64, 80]), bs=st.sampled_from([8, 32]),
        spread=st.sampled_from([0.0, 10.0, 40.0]), same=st.booleans())

@@ -720,7 +720,7 @@ def _asym_seg(Hkv, n, c, keep, k, v, k_scales, v_scales, ka, va, rho, valid, exa
 
 
 def paged_seg(n, *, table, k=None, v=None, rho=None, k_transposed=None, k_scales=None, v_scales=None, base=None, fp8=None,
-              int4=False):
+              int4=False, reuse=None):
     """A segment read in place from a paged cache: fp32 k [num_blocks, Hkv, D, bs] (k_transposed: vLLM's CPU
     layout) or [num_blocks, Hkv, bs, D], v [num_blocks, Hkv, bs, D]; or int8 codes k, v [num_blocks, Hkv, bs, D]
     with their fp16 (or int16-viewed) scales k_scales, v_scales [num_blocks, Hkv, bs, ng] (kvcert's packed vLLM
@@ -732,7 +732,9 @@ def paged_seg(n, *, table, k=None, v=None, rho=None, k_transposed=None, k_scales
     Tokens 0..n-1 of sequence b are its positions. The cache tensors' checks depend only on their dtypes,
     shapes and strides: memoized on those (and the data pointers), a serving loop pays them once per cache,
     the table check every call. base: paged_base(...)'s result in place of the cache tensors (a serving loop
-    keeps it per cache tensor and skips even the memo's key)."""
+    keeps it per cache tensor and skips even the memo's key). reuse: a dict an earlier paged_seg(base=...) call
+    returned (a serving loop's, one per layer): when it was built on the same base it is updated and returned (so
+    _run's checks, kept in it, are reused: they depend on the base, B and whether n > 0, not on n or the table)."""
     if base is None:
         base = paged_base(k=k, v=v, rho=rho, k_transposed=k_transposed, k_scales=k_scales, v_scales=v_scales, fp8=fp8,
                           int4=int4)
@@ -740,18 +742,23 @@ def paged_seg(n, *, table, k=None, v=None, rho=None, k_transposed=None, k_scales
         raise ValueError(f"paged_seg: n must be an integer >= 0, got {n!r}")
     if n == 0:
         return {"Hkv": base["Hkv"], "c": _Seg()}
-    c = _Seg.from_buffer_copy(base["c"])
-    c.n = n
     need = -(-n // base["bs"])
     if (not isinstance(table, torch.Tensor) or table.dtype != torch.int32 or table.dim() != 2 or table.shape[0] < 1
             or table.shape[1] < need or table.stride(1) != 1 or table.device.type != "cpu"):
         raise ValueError(f"table: int32 [B, >= {need}] with unit stride on the CPU, got {getattr(table, 'dtype', table)} "
                          f"{tuple(getattr(table, 'shape', ()))}")
-    lo, hi = torch.aminmax(table[:, :need])
-    if int(lo) < 0 or int(hi) >= base["nb"]:
+    ids = table.numpy()[:, :need]  # numpy's min / max: a few us, where torch's cost tens per read
+    if int(ids.min()) < 0 or int(ids.max()) >= base["nb"]:
         raise ValueError(f"table: block ids must lie in [0, {base['nb']})")
+    if type(reuse) is dict and reuse.get("_base") is base and reuse.get("B") == table.shape[0]:
+        c = reuse["c"]
+    else:
+        c = _Seg.from_buffer_copy(base["c"])
+        reuse = {**base, "c": c, "B": table.shape[0], "_base": base}
+    c.n = n
     c.table, c.tb_sb = table.data_ptr(), table.stride(0)
-    return {**base, "c": c, "table": table, "B": table.shape[0]}
+    reuse["table"] = table
+    return reuse
 
 
 def paged_base(*, k, v, rho, k_transposed, k_scales=None, v_scales=None, fp8=None, int4=False):

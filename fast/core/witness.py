@@ -96,7 +96,8 @@ def _table(device):
     """_log_table(device), built once per device, for pack / unpack (never written: they only read it)."""
     key = str(device)
     if key not in _TABLES:
-        _TABLES[key] = _log_table(device)
+        with torch.inference_mode(False):  # a normal tensor even when first built inside inference mode (vLLM's
+            _TABLES[key] = _log_table(device)  # worker): its version counter lets the fused read keep its checks
     return _TABLES[key]
 
 
@@ -107,7 +108,8 @@ def log_table32():
     """The log table as fp32 [256] contiguous on the CPU, built once: the fused C++ read decodes uint8 witness codes
     with it (the transformers cache and the vLLM plugin pass the same tensor)."""
     if not _LUT32:
-        _LUT32.append(_table("cpu").to(torch.float32).contiguous())
+        with torch.inference_mode(False):
+            _LUT32.append(_table("cpu").to(torch.float32).contiguous())
     return _LUT32[0]
 
 

@@ -702,7 +702,8 @@ def _backend_classes():
         def _kernel(self, q, kv_cache, table, N, pos, out, certify):
             """The fused C++ read in place from the paged cache (fp32 rows, or the packed page) -> (out, stats)."""
             if getattr(self, "_bands64", None) is None:
-                self._bands64 = self.band_idx.to(torch.int64).contiguous()
+                with torch.inference_mode(False):  # a normal tensor (the worker runs in inference mode): _run keeps
+                    self._bands64 = self.band_idx.to(torch.int64).contiguous()  # its checks while its version holds
             table = table.to(torch.int32)
             got = getattr(self, "_base_of", None)  # the cache tensors' checks once per cache tensor (paged_base)
             if got is None or got[0] is not kv_cache or got[1] != certify:
@@ -715,7 +716,7 @@ def _backend_classes():
                     kt, vv = self._views(kv_cache)
                     base = cpu_fused.paged_base(k=kt, v=vv, rho=self.rho, k_transposed=True)
                 self._base_of = got = (kv_cache, certify, base)
-            s0 = cpu_fused.paged_seg(N, table=table, base=got[2])
+            s0 = self._seg0 = cpu_fused.paged_seg(N, table=table, base=got[2], reuse=getattr(self, "_seg0", None))
             lut = log_table32() if self.packed and certify else None
             return cpu_fused._run(q[None].contiguous(), pos.view(1, -1), [s0, self._empty_seg()], self.scale,
                                   self._bands64, 1, 1, certify, lut=lut, out=out)
