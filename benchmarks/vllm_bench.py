@@ -3,7 +3,7 @@
     nice -n 10 python -m benchmarks.vllm_bench            # -> results/vllm.json
 
 One engine per configuration (the plugin reads its settings at start-up), all in this run:
-- speed: decode tok/s of one ~1k-token passkey request, (t(1 + n tokens) - t(1 token)) / n (median of 3),
+- speed: decode tok/s of one ~1k-token passkey request, (t(1 + n tokens) - t(1 token)) / n (fp32: median of 3),
   for vLLM with an fp32 cache (plugin off), vLLM + vLLM's fp8_e4m3 cast (plugin, no
   certificates) and the same + certificates; the ratio is the certificates' cost. The two codec
   engines run side by side (both started, then --speed-rounds rounds, each one measurement of one

@@ -12,6 +12,10 @@ ValueError each.
 
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -29,8 +33,25 @@ from fast.core.witness import _log_table
 from reference import band as ref_band
 from reference import softmax as ref
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
 def test_extension_builds():
     assert cpu_fused.available(), "g++ with OpenMP could not build fast/core/csrc/cpu_fused.cpp"
+
+
+def test_failed_build_is_not_retried(tmp_path):
+    """Without a working compiler available() is False, and the build is tried once per process, not at every call
+    (a server without g++ would otherwise compile at every read and write)."""
+    code = ("import subprocess, fast.core.native as n\n"
+            "calls = []\n"
+            "run = subprocess.run\n"
+            "n.subprocess.run = lambda *a, **k: calls.append(1) or run(*a, **k)\n"
+            "print([n.available() for _ in range(3)], len(calls))\n")
+    env = {**os.environ, "CXX": "false", "KVCERT_BUILD_DIR": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["[False,", "False,", "False]", "1"], r.stdout
 
 
 def test_exp_exhaustive():

@@ -958,7 +958,7 @@ def page_write(k, v, slots, page, codec, bands=None):
     [num_blocks, Hkv, bs, C] (any dtype) whose (block, head) slabs of bs C elements are contiguous, each slab laid out
     as fast.integrations.vllm.packed_views says: key codes [bs, Wc], value codes [bs, Wc] (Wc = D, or D / 2 for int4),
     key scales [bs] and value scales [bs] (fp16 bits; fp8: fp32), witness [bs, NB]. slots [n] (< 0: skipped): token i goes
-    to block slots[i] // bs, offset slots[i] % bs. A row holding NaN/Inf is stored as zeros with an fp16 NaN scale (it
+    to block slots[i] // bs, offset slots[i] % bs. A row holding NaN/Inf is stored as zeros with a NaN scale (it
     decodes to NaN, which every read refuses) and, for a key, the top witness code. ValueError for bad arguments, a
     slot past the page, a row whose max |x| does not fit an fp16 scale, or a witness above the largest fp32."""
     if codec not in PAGE_BITS:

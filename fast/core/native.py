@@ -62,6 +62,7 @@ class _EpiConst(ctypes.Structure):
 
 
 _LIB = {}
+_FAILED = {}  # (scalar, sanitized) -> the exception of a failed build or load, raised again without retrying
 
 
 def _cache_dir():
@@ -104,7 +105,14 @@ def build(verbose=False, scalar=False, sanitize=False):
 
 def _lib(scalar=False):
     if scalar not in _LIB:
-        lib = ctypes.CDLL(str(build(scalar=scalar, sanitize=sanitized())))
+        failed = _FAILED.get((scalar, sanitized()))
+        if failed is not None:  # the build or load failed before in this process: not tried again on every call
+            raise failed
+        try:
+            lib = ctypes.CDLL(str(build(scalar=scalar, sanitize=sanitized())))
+        except (OSError, RuntimeError) as e:
+            _FAILED[(scalar, sanitized())] = e
+            raise
         if lib.kvcert_fused_abi() != ABI:  # the _Seg / _Args layout above and the C++ structs must agree
             raise RuntimeError(f"cpu_fused: the extension's ABI {lib.kvcert_fused_abi()} is not this module's {ABI}")
         lib.kvcert_fused_run.argtypes = [ctypes.POINTER(_Args)]
