@@ -1077,6 +1077,76 @@ def test_paged_codes_same_bits_as_contiguous(case, ng, u8, codec):
                                 table=table, k_transposed=False, int4=True)
 
 
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), lens=st.lists(st.integers(2, 70), min_size=1, max_size=4), T=st.integers(1, 2),
+       G=st.integers(1, 3), bs=st.sampled_from([8, 16, 24]), codec=st.sampled_from(["int8", "int4"]), certify=st.booleans(),
+       scalar=st.booleans())
+def test_paged_lens_reads_each_sequence_as_alone(seed, lens, T, G, bs, codec, certify, scalar):
+    """paged_seg(lens=...): one _run over sequences of different lengths gives each sequence's output and stats bit
+    for bit as its own read (B = 1, n = its length, its table row), at the same chunk size; every slot past a
+    sequence's end holds NaN scales and the top witness code, so a read that looked past any end would raise. Vector
+    and scalar builds."""
+    with mock.patch.object(cpu_fused, "_chunk", lambda N: 16):  # the same chunks in the batched and the single reads
+        _lens_case(seed, lens, T, G, bs, codec, certify, scalar)
+
+
+def _lens_case(seed, lens, T, G, bs, codec, certify, scalar):
+    g = torch.Generator().manual_seed(seed)
+    B, Hkv, D, NB, n = len(lens), 2, 64, 8, max(lens)
+    H = Hkv * G
+    kq = quantize(torch.randn(B, Hkv, n, D, generator=g), codec, group_size=D)
+    vq = quantize(torch.randn(B, Hkv, n, D, generator=g), codec, group_size=D)
+    rho = torch.randint(0, 200, (B, Hkv, n, NB), generator=g, dtype=torch.uint8)
+    W, cd = kq.codes.shape[3], kq.codes.dtype
+    table, part = _paged_slab(g, B, Hkv, n, bs, 2 * W + 4 + NB, 0xFF)  # fp16 NaN scales, top witness codes
+    kc, vc, ks, vs, rc = part(0, W, cd), part(W, W, cd), part(2 * W, 2, torch.int16), part(2 * W + 2, 2, torch.int16), part(2 * W + 4, NB, torch.uint8)
+    for b in range(B):
+        for j in range(lens[b]):  # only each sequence's own tokens are written
+            blk, off = int(table[b, j // bs]), j % bs
+            kc[blk, :, off], vc[blk, :, off] = kq.codes[b, :, j], vq.codes[b, :, j]
+            ks[blk, :, off], vs[blk, :, off] = kq.scales[b, :, j].view(torch.int16), vq.scales[b, :, j].view(torch.int16)
+            rc[blk, :, off] = rho[b, :, j]
+    base = cpu_fused.paged_base(k=kc, v=vc, k_scales=ks, v_scales=vs, rho=rc if certify else None, k_transposed=False,
+                                int4=codec == "int4")
+    q = torch.randn(B, T, H, D, generator=g).contiguous()
+    ln = torch.tensor(lens, dtype=torch.int32)
+    qpos = (ln[:, None] - T + torch.arange(T, dtype=torch.int32)).contiguous()
+    b64 = fast.rope_bands(D, NB).to(torch.int64).contiguous()
+    lut, empty = _log_table("cpu").to(torch.float32).contiguous(), cpu_fused.seg(Hkv, 0)
+    got = cpu_fused._run(q, qpos, [cpu_fused.paged_seg(n, table=table, base=base, lens=ln), empty], D ** -0.5, b64, 1, 1,
+                         certify, lut=lut, scalar=scalar)
+    for b in range(B):
+        one = cpu_fused._run(q[b:b + 1].contiguous(), qpos[b:b + 1].contiguous(),
+                             [cpu_fused.paged_seg(lens[b], table=table[b:b + 1], base=base), empty], D ** -0.5, b64, 1, 1,
+                             certify, lut=lut, scalar=scalar)
+        assert torch.equal(got[0][b], one[0][0]), f"output of sequence {b} differs: lens {lens}"
+        assert torch.equal(got[1][b], one[1][0]), f"stats of sequence {b} differ: lens {lens}"
+    if B > 1 and min(lens) < n:  # without lens every sequence reads n tokens: the NaN past the short ones' ends
+        with pytest.raises(ValueError, match="NaN"):
+            cpu_fused._run(q, qpos, [cpu_fused.paged_seg(n, table=table, base=base), empty], D ** -0.5, b64, 1, 1, certify,
+                           lut=lut, scalar=scalar)
+
+
+def test_paged_lens_checked():
+    """lens: int32 [B] on the CPU, each in [1, n], each row's own blocks valid (the ids past a row's blocks are not
+    read, so not checked), and segment 1 empty: one ValueError each."""
+    kc, vc = torch.zeros(4, 1, 64, 8), torch.zeros(4, 1, 8, 64)
+    base = cpu_fused.paged_base(k=kc, v=vc, rho=None, k_transposed=True)
+    table = torch.tensor([[0, 1], [2, 99]], dtype=torch.int32)  # row 1's second id is past its 8 tokens
+    seg = cpu_fused.paged_seg(16, table=table, base=base, lens=torch.tensor([16, 8], dtype=torch.int32))
+    q, qpos = torch.randn(2, 1, 1, 64), torch.tensor([[15], [7]], dtype=torch.int32)
+    bands = fast.rope_bands(64, 8).long().contiguous()
+    cpu_fused._run(q, qpos, [seg, cpu_fused.seg(1, 0)], 0.125, bands, 1, 1, False)
+    for lens, what in ((torch.tensor([16, 9], dtype=torch.int32), "block ids"), (torch.tensor([16, 0], dtype=torch.int32), "lens"),
+                       (torch.tensor([17, 8], dtype=torch.int32), "lens"), (torch.tensor([16, 8]), "lens"),
+                       (torch.tensor([16], dtype=torch.int32), "lens")):
+        with pytest.raises(ValueError, match=what):
+            cpu_fused.paged_seg(16, table=table, base=base, lens=lens)
+    with pytest.raises(ValueError, match="segment 1"):
+        cpu_fused._run(q, qpos, [seg, cpu_fused.seg(1, 2, k=torch.zeros(2, 1, 2, 64), v=torch.zeros(2, 1, 2, 64))], 0.125,
+                       bands, 1, 1, False)
+
+
 def test_paged_codes_refused_without_scales_or_transposed():
     """int8 codes in a paged cache need both scales and the untransposed key layout; scales need codes."""
     kc, vc = torch.zeros(4, 1, 8, 64, dtype=torch.int8), torch.zeros(4, 1, 8, 64, dtype=torch.int8)

@@ -259,7 +259,7 @@ def _checked_run(q, qpos, segs, s, bands, ngk, ngv, certify, lut):
     vb, vl = _checks.version(bands), 0 if lut is None else _checks.version(lut)
     if vb is None or vl is None:  # an inference tensor: its in-place writes cannot be seen, so check it all
         return _check_run(q, qpos, segs, s, bands, ngk, ngv, certify, lut)
-    key = (q.shape, qpos.shape, segs[0]["c"].n > 0, segs[1]["c"].n > 0, vb, bands.shape, vl,
+    key = (q.shape, qpos.shape, segs[0]["c"].n > 0, segs[1]["c"].n > 0, bool(segs[0]["c"].lens), vb, bands.shape, vl,
            None if lut is None else lut.shape, ngk, ngv, certify, s)
     plan = segs[0].get("_checked")
     if plan is not None and plan[0] is segs[1] and plan[1] is bands and plan[2] is lut and plan[3] == key:
@@ -290,6 +290,8 @@ def _check_run(q, qpos, segs, s, bands, ngk, ngv, certify, lut):
             raise ValueError(f"segment {i}: batch {sg['B']} and head size {sg['D']}, the query has {B} and {D}")
     if n1 and (segs[1]["c"].coded or segs[1]["c"].rho or segs[1]["c"].bs):
         raise ValueError("segment 1: exact fp32 rows only (read with c = 0; no codes, witness or block table)")
+    if n1 and n0 and segs[0]["c"].lens:
+        raise ValueError("segment 1: must be empty when segment 0 has per-sequence lengths (paged_seg(lens=...))")
     if (ngk, ngv) != (segs[0]["ng"] if n0 else (1, 1)):
         raise ValueError(f"ngk, ngv = {(ngk, ngv)}: segment 0 holds {segs[0]['ng'] if n0 else (1, 1)} scale groups")
     if not (isinstance(qpos, torch.Tensor) and qpos.dtype == torch.int32 and tuple(qpos.shape) == (B, T)
@@ -720,7 +722,7 @@ def _asym_seg(Hkv, n, c, keep, k, v, k_scales, v_scales, ka, va, rho, valid, exa
 
 
 def paged_seg(n, *, table, k=None, v=None, rho=None, k_transposed=None, k_scales=None, v_scales=None, base=None, fp8=None,
-              int4=False, reuse=None):
+              int4=False, reuse=None, lens=None):
     """A segment read in place from a paged cache: fp32 k [num_blocks, Hkv, D, bs] (k_transposed: vLLM's CPU
     layout) or [num_blocks, Hkv, bs, D], v [num_blocks, Hkv, bs, D]; or int8 codes k, v [num_blocks, Hkv, bs, D]
     with their fp16 (or int16-viewed) scales k_scales, v_scales [num_blocks, Hkv, bs, ng] (kvcert's packed vLLM
@@ -734,7 +736,10 @@ def paged_seg(n, *, table, k=None, v=None, rho=None, k_transposed=None, k_scales
     the table check every call. base: paged_base(...)'s result in place of the cache tensors (a serving loop
     keeps it per cache tensor and skips even the memo's key). reuse: a dict an earlier paged_seg(base=...) call
     returned (a serving loop's, one per layer): when it was built on the same base it is updated and returned (so
-    _run's checks, kept in it, are reused: they depend on the base, B and whether n > 0, not on n or the table)."""
+    _run's checks, kept in it, are reused: they depend on the base, B and whether n > 0, not on n or the table).
+    lens: int32 [B] (each in [1, n]), sequence b's own token count: it reads its tokens 0..lens[b] - 1 only (its blocks
+    past that are never read, nor seen by the NaN flag or the logit bound), so sequences of different lengths share
+    one _run (segment 1 empty); the table then needs ceil(lens[b] / bs) valid ids in row b."""
     if base is None:
         base = paged_base(k=k, v=v, rho=rho, k_transposed=k_transposed, k_scales=k_scales, v_scales=v_scales, fp8=fp8,
                           int4=int4)
@@ -748,8 +753,19 @@ def paged_seg(n, *, table, k=None, v=None, rho=None, k_transposed=None, k_scales
         raise ValueError(f"table: int32 [B, >= {need}] with unit stride on the CPU, got {getattr(table, 'dtype', table)} "
                          f"{tuple(getattr(table, 'shape', ()))}")
     ids = table.numpy()[:, :need]  # numpy's min / max: a few us, where torch's cost tens per read
+    if lens is not None:
+        if (not isinstance(lens, torch.Tensor) or lens.dtype != torch.int32 or tuple(lens.shape) != (table.shape[0],)
+                or not lens.is_contiguous() or lens.device.type != "cpu"):
+            raise ValueError(f"lens: int32 contiguous [{table.shape[0]}] on the CPU (one per table row), got "
+                             f"{getattr(lens, 'dtype', lens)} {tuple(getattr(lens, 'shape', ()))}")
+        ln = lens.numpy()
+        if int(ln.min()) < 1 or int(ln.max()) > n:
+            raise ValueError(f"lens: each sequence's token count must lie in [1, n = {n}]")
     if int(ids.min()) < 0 or int(ids.max()) >= base["nb"]:
-        raise ValueError(f"table: block ids must lie in [0, {base['nb']})")
+        if lens is not None:  # only each row's own blocks are read: check those
+            ids = ids[np.arange(need)[None, :] < -(-ln[:, None] // base["bs"])]
+        if int(ids.min()) < 0 or int(ids.max()) >= base["nb"]:
+            raise ValueError(f"table: block ids must lie in [0, {base['nb']})")
     if type(reuse) is dict and reuse.get("_base") is base and reuse.get("B") == table.shape[0]:
         c = reuse["c"]
     else:
@@ -757,7 +773,8 @@ def paged_seg(n, *, table, k=None, v=None, rho=None, k_transposed=None, k_scales
         reuse = {**base, "c": c, "B": table.shape[0], "_base": base}
     c.n = n
     c.table, c.tb_sb = table.data_ptr(), table.stride(0)
-    reuse["table"] = table
+    c.lens = None if lens is None else lens.data_ptr()
+    reuse["table"], reuse["lens"] = table, lens
     return reuse
 
 

@@ -695,12 +695,17 @@ def _backend_classes():
             kernel flags NaN/Inf; every row reads keys 0..pos) -> (out [1, T, H, D], kernel stats, None), the
             certificate epilogue left to the caller; else the torch twin over the gathered keys (same contract)
             -> (out, None, cert). The output is what the plugin serves."""
-            if cpu_fused.available() and not self.cfg.box:
-                return (*self._kernel(q, kv_cache, table, N, pos, out, True), None)
+            if self._fused():
+                return (*self._kernel(q[None], kv_cache, table, N, pos.view(1, -1), out, True), None)
             return self._twin(q, kv_cache, table, N, pos, box_form=self.cfg.box)
 
-        def _kernel(self, q, kv_cache, table, N, pos, out, certify):
-            """The fused C++ read in place from the paged cache (fp32 rows, or the packed page) -> (out, stats)."""
+        def _fused(self):
+            return cpu_fused.available() and not self.cfg.box
+
+        def _kernel(self, q, kv_cache, table, N, qpos, out, certify, lens=None):
+            """The fused C++ read in place from the paged cache (fp32 rows, or the packed page) -> (out, stats):
+            q [B, T, H, D], qpos [B, T] int32, table [B, >= ceil(N / bs)]; lens int32 [B] (each sequence's own
+            token count, N their largest) or None (every sequence N tokens)."""
             if getattr(self, "_bands64", None) is None:
                 with torch.inference_mode(False):  # a normal tensor (the worker runs in inference mode): _run keeps
                     self._bands64 = self.band_idx.to(torch.int64).contiguous()  # its checks while its version holds
@@ -716,24 +721,48 @@ def _backend_classes():
                     kt, vv = self._views(kv_cache)
                     base = cpu_fused.paged_base(k=kt, v=vv, rho=self.rho, k_transposed=True)
                 self._base_of = got = (kv_cache, certify, base)
-            s0 = self._seg0 = cpu_fused.paged_seg(N, table=table, base=got[2], reuse=getattr(self, "_seg0", None))
+            segs = self.__dict__.setdefault("_segs", {})  # one segment dict per batch size (its checks kept in it)
+            s0 = segs[table.shape[0]] = cpu_fused.paged_seg(N, table=table, base=got[2], reuse=segs.get(table.shape[0]),
+                                                            lens=lens)
             lut = log_table32() if self.packed and certify else None
-            return cpu_fused._run(q[None].contiguous(), pos.view(1, -1), [s0, self._empty_seg()], self.scale,
-                                  self._bands64, 1, 1, certify, lut=lut, out=out)
+            return cpu_fused._run(q.contiguous(), qpos, [s0, self._empty_seg()], self.scale, self._bands64, 1, 1, certify,
+                                  lut=lut, out=out)
+
+        def _decode_batch(self, rows, q_all, out_all, kv_cache, md, certify):
+            """The decode rows (one token each) of several requests, rows [(b, token index, N)], in one kernel call
+            (paged_seg(lens=...): each request reads its own N tokens only), served into out_all ->
+            (q [B, 1, H, D], qpos [B, 1], table [B, w], stats [B, 1, H, 5] or None, out [B, 1, H, D])."""
+            tok = torch.tensor([r[1] for r in rows])
+            lens = torch.tensor([r[2] for r in rows], dtype=torch.int32)
+            q = q_all.index_select(0, tok)[:, None]
+            table = md.block_table.index_select(0, torch.tensor([r[0] for r in rows])).to(torch.int32)
+            qpos = (lens - 1).view(-1, 1)
+            out, stats = self._kernel(q, kv_cache, table, max(r[2] for r in rows), qpos, None, certify, lens=lens)
+            out_all.index_copy_(0, tok, out[:, 0].to(out_all.dtype))
+            return q, qpos, table, stats, out
+
+        def _rows(self, md):
+            """This step's requests with rows: [(b, t0, t1, N)], and the decode ones (T = 1) read in one call
+            when there are at least two and the fused read serves (else [])."""
+            qsl, seq, _ = STATE.step_of(md)
+            rows = [(b, qsl[b], qsl[b + 1], seq[b]) for b in range(len(seq)) if qsl[b + 1] > qsl[b] and seq[b] > 0]
+            dec = [(b, t0, N) for b, t0, t1, N in rows if t1 - t0 == 1] if self._fused() else []
+            return rows, dec if len(dec) >= 2 else []
 
         def _serve_uncertified(self, query, kv_cache, md, output):
             """The packed page read by the fused kernel without certificates (KVCERT_CERTIFY=0: the speed
             baseline of the same codes); every request's rows written into vLLM's output."""
             H, D = self.num_heads, self.head_size
             n = md.num_actual_tokens
-            qsl, seq, _ = STATE.step_of(md)
             q_all, out_all = query[:n].view(n, H, D).float(), output[:n].view(n, H, D)
-            for b in range(len(seq)):
-                t0, t1, N = qsl[b], qsl[b + 1], seq[b]
-                if t1 <= t0 or N <= 0:
+            rows, dec = self._rows(md)
+            if dec:
+                self._decode_batch(dec, q_all, out_all, kv_cache, md, False)
+            for b, t0, t1, N in rows:
+                if dec and t1 - t0 == 1:
                     continue
                 pos = _positions(N - (t1 - t0), N)
-                out, _ = self._kernel(q_all[t0:t1], kv_cache, md.block_table[b:b + 1], N, pos, None, False)
+                out, _ = self._kernel(q_all[None, t0:t1], kv_cache, md.block_table[b:b + 1], N, pos.view(1, -1), None, False)
                 out_all[t0:t1] = out[0].to(out_all.dtype)
 
         def _empty_seg(self):
@@ -768,17 +797,27 @@ def _backend_classes():
             if STATE.impls and STATE.impls[0] is self:  # once per step: drop what finished requests left
                 STATE.retire()
             n = md.num_actual_tokens
-            qsl, seq, ids = STATE.step_of(md)
+            _, _, ids = STATE.step_of(md)
             lidx = self._lidx(layer)
             q_all = query[:n].view(n, H, D).float()
             out_all = output[:n].view(n, H, D)
-            direct = out_all.dtype == torch.float32 and out_all.is_contiguous() and cpu_fused.available() and not self.cfg.box
+            direct = out_all.dtype == torch.float32 and out_all.is_contiguous() and self._fused()
             now = self.exact_k is not None  # gate or shadow: the bound decides what is served / is checked now
             entries = []
-            for b in range(len(seq)):
-                t0, t1, N = qsl[b], qsl[b + 1], seq[b]
+            rows, dec = self._rows(md)
+            if dec:  # the decode rows of all requests in one call; one entry each, as a read of its own
+                q, qpos, table, stats, out = self._decode_batch(dec, q_all, out_all, kv_cache, md, True)
+                for i, (b, t0, N) in enumerate(dec):
+                    e = {"impl": self, "request": ids[b], "layer": lidx, "N": N, "T": 1, "pos": _positions(N - 1, N),
+                         "stats": stats[i:i + 1], "cert": None, "q": q[i], "table": table[i:i + 1], "kv": kv_cache}
+                    if vllm_out is not None:
+                        e["out_diff"] = float((vllm_out[t0:t0 + 1] - out[i]).abs().max())
+                    if now:
+                        e["out"] = out_all[t0:t0 + 1]
+                    entries.append(e)
+            for b, t0, t1, N in rows:
                 T = t1 - t0
-                if T <= 0 or N <= 0:
+                if dec and T == 1:
                     continue
                 pos = _positions(N - T, N)
                 q = q_all[t0:t1]  # [T, H, D]

@@ -210,6 +210,10 @@ struct Seg {
     // fp8 rows decoded by bit arithmetic (fp8_bits) instead of the table gather: 1 (e4m3), 2 (e5m2), 0 (the gather). Set
     // by the kernel itself (run: fp8_format checks the decode against every entry of f8lut); the caller's value is ignored.
     int f8fmt;
+    // paged only: lens [B] int32, sequence b's own token count (<= n; null: n for every sequence). Sequence b reads
+    // (and its NaN flag and logit bound see) only its tokens 0..lens[b]-1: the blocks past its end are never read,
+    // so requests of different lengths share one call (segment 1 then empty: the caller checks it)
+    const int32_t* lens;
 };
 
 // n / m for n >= 0, m >= 1: a shift when m is a power of two (the usual group widths and block sizes), else the
@@ -1169,6 +1173,9 @@ inline void dither_sums(const Seg& sg, const float* w, const uint8_t* o, const f
 
 void run_args(const Args& a);
 
+// the tokens sequence b reads: its own length (Seg.lens, paged segment 0) or all N
+inline int64_t seq_len(const Args& a, int64_t b, int64_t N) { return a.seg[0].lens ? (int64_t)a.seg[0].lens[b] : N; }
+
 // The kernel on a copy of the arguments with the fields it sets itself (Seg.f8fmt)
 void run(const Args& in) {
     Args a = in;
@@ -1252,7 +1259,7 @@ void run_args(const Args& a) {
 #pragma omp parallel for schedule(static) num_threads(a.threads)
     for (int64_t it = 0; it < items; ++it) {
         const int64_t b = it / (Hkv * nch), h = (it / nch) % Hkv, c = it % nch;
-        const int64_t j0 = c * CH, j1 = std::min(N, j0 + CH);
+        const int64_t j0 = c * CH, j1 = std::max(j0, std::min(seq_len(a, b, N), j0 + CH));  // a chunk past b's end: empty
         float* lg = LG + (b * Hkv + h) * R * N;
         float* km = PKMAX + it * 2 * D;  // [0, D): max scale, [D, 2D): max |k| of fp32 rows
         for (int64_t d = 0; d < 2 * D; ++d) km[d] = 0.0f;
@@ -1413,7 +1420,7 @@ void run_args(const Args& a) {
 #pragma omp parallel for schedule(static) num_threads(a.threads)
     for (int64_t it = 0; it < items; ++it) {
         const int64_t b = it / (Hkv * nch), h = (it / nch) % Hkv, c = it % nch;
-        const int64_t j0 = c * CH, j1 = std::min(N, j0 + CH);
+        const int64_t j0 = c * CH, j1 = std::max(j0, std::min(seq_len(a, b, N), j0 + CH));  // a chunk past b's end: empty
         const int64_t L = j1 - j0;
         float* lg = LG + (b * Hkv + h) * R * N;
         static thread_local std::vector<float> rtbuf;  // the chunk's witness, band-major (this worker's own)
@@ -1777,7 +1784,7 @@ int epilogue(const double* st, int64_t rows, const EpiConst& k, float* out) {
 
 extern "C" {
 
-int kvcert_fused_abi() { return 9; }
+int kvcert_fused_abi() { return 10; }
 
 int kvcert_fused_avx2() { return KVCERT_AVX2; }
 
