@@ -882,18 +882,22 @@ def _backend_classes():
             s["sum_bound"] += total
             s["repairs"] += len(fresh)
             s["repaired_heads"] += [[lidx, tp_rank * Hkv + h] for h in fresh]
-            rec = {"request": e["request"], "layer": lidx, "tp_rank": tp_rank, "pp_rank": pp_rank,
-                   "head_offset": tp_rank * H, "pos": pos.numpy(), "bound": bound.numpy(),
-                   "served": served.numpy(), "repaired": rep.numpy().copy()}
-            if "out_diff" in e:
-                rec["out_diff"] = e["out_diff"]
             if true_tv is not None:
-                rec["true_tv"] = true_tv.numpy()
                 s["violations"] += int((true_tv > served).sum())
                 s["max_true_tv"] = max(s["max_true_tv"], float(true_tv.max()))
-            STATE.record(rec)
-            if cfg.trace_dir:
-                _trace(rec)
+            if cfg.records == 0 and not cfg.trace_dir:  # nobody keeps the record: counted as dropped, not built
+                STATE.records_dropped += 1
+            else:
+                rec = {"request": e["request"], "layer": lidx, "tp_rank": tp_rank, "pp_rank": pp_rank,
+                       "head_offset": tp_rank * H, "pos": pos.numpy(), "bound": bound.numpy(),
+                       "served": served.numpy(), "repaired": rep.numpy().copy()}
+                if "out_diff" in e:
+                    rec["out_diff"] = e["out_diff"]
+                if true_tv is not None:
+                    rec["true_tv"] = true_tv.numpy()
+                STATE.record(rec)
+                if cfg.trace_dir:
+                    _trace(rec)
             m = _metrics()
             if m is not None:
                 m["reads"].inc(T * H)
