@@ -1083,10 +1083,11 @@ def test_paged_codes_same_bits_as_contiguous(case, ng, u8, codec):
        scalar=st.booleans())
 def test_paged_lens_reads_each_sequence_as_alone(seed, lens, T, G, bs, codec, certify, scalar):
     """paged_seg(lens=...): one _run over sequences of different lengths gives each sequence's output and stats bit
-    for bit as its own read (B = 1, n = its length, its table row), at the same chunk size; every slot past a
+    for bit as its own read (B = 1, n = its length, its table row): each is read in its own chunks, whatever else
+    shares the call (CHUNK 40 here: 70 tokens split in chunks of 40, 45 in chunks of 24); every slot past a
     sequence's end holds NaN scales and the top witness code, so a read that looked past any end would raise. Vector
     and scalar builds."""
-    with mock.patch.object(cpu_fused, "_chunk", lambda N: 16):  # the same chunks in the batched and the single reads
+    with mock.patch.object(cpu_fused, "CHUNK", 40):
         _lens_case(seed, lens, T, G, bs, codec, certify, scalar)
 
 
@@ -1145,6 +1146,11 @@ def test_paged_lens_checked():
     with pytest.raises(ValueError, match="segment 1"):
         cpu_fused._run(q, qpos, [seg, cpu_fused.seg(1, 2, k=torch.zeros(2, 1, 2, 64), v=torch.zeros(2, 1, 2, 64))], 0.125,
                        bands, 1, 1, False)
+    lens = torch.tensor([16, 8], dtype=torch.int32)  # checked once, kept while its version holds: a write is seen
+    cpu_fused.paged_seg(16, table=table, base=base, lens=lens)
+    lens[1] = 17
+    with pytest.raises(ValueError, match="lens"):
+        cpu_fused.paged_seg(16, table=table, base=base, lens=lens)
 
 
 def test_paged_codes_refused_without_scales_or_transposed():

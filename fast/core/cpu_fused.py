@@ -200,7 +200,7 @@ def _run(q, qpos, segs, s, bands, ngk, ngv, certify, lut=None, scalar=False, out
               _band_margin(W), (D + 4) * U32 * 1.01, 0 if lut is None else lut.data_ptr())
     a.seg[0], a.seg[1] = segs[0]["c"], segs[1]["c"]
     a.out, a.stats, a.kmax, a.nanflag = out.data_ptr(), stats.data_ptr(), ctypes.addressof(kmax), ctypes.addressof(nan)
-    a.certify, a.threads, a.chunk = int(certify), read_threads(), _chunk(segs[0]["c"].n + segs[1]["c"].n)
+    a.certify, a.threads, a.chunk = int(certify), read_threads(), int(_chunk(segs[0]["c"].n + segs[1]["c"].n))
     dstats = None
     if dither_F is not None:
         dstats = torch.empty(B, T, H, 5, dtype=torch.float64)
@@ -330,9 +330,9 @@ def _chunk(N):
     """Tokens per work item: N split into ceil(N / CHUNK) chunks of equal size rounded up to a multiple of 8
     (the AVX2 blocks start at multiples of 8), so that threads get equal work (a 16-token last chunk
     beside 512-token ones left one of two threads idle a third of the time). Depends on N only: the
-    result's bits do not depend on the thread count."""
-    nch = max(1, -(-N // CHUNK))
-    return max(8, (-(-N // nch) + 7) // 8 * 8)
+    result's bits do not depend on the thread count. N an int, or an int array (elementwise: paged_seg's lens)."""
+    nch = np.maximum(1, -(-N // CHUNK))
+    return np.maximum(8, (-(-N // nch) + 7) // 8 * 8)
 
 
 _MARGIN = {}
@@ -721,6 +721,9 @@ def _asym_seg(Hkv, n, c, keep, k, v, k_scales, v_scales, ka, va, rho, valid, exa
     return _witness_and_flags(c, keep, B, Hkv, n, rho, valid, exact, pos)
 
 
+_LENS = [None]  # paged_seg: the last lens checked (the tensor, its version, n, its values, its chunk sizes)
+
+
 def paged_seg(n, *, table, k=None, v=None, rho=None, k_transposed=None, k_scales=None, v_scales=None, base=None, fp8=None,
               int4=False, reuse=None, lens=None):
     """A segment read in place from a paged cache: fp32 k [num_blocks, Hkv, D, bs] (k_transposed: vLLM's CPU
@@ -738,8 +741,9 @@ def paged_seg(n, *, table, k=None, v=None, rho=None, k_transposed=None, k_scales
     returned (a serving loop's, one per layer): when it was built on the same base it is updated and returned (so
     _run's checks, kept in it, are reused: they depend on the base, B and whether n > 0, not on n or the table).
     lens: int32 [B] (each in [1, n]), sequence b's own token count: it reads its tokens 0..lens[b] - 1 only (its blocks
-    past that are never read, nor seen by the NaN flag or the logit bound), so sequences of different lengths share
-    one _run (segment 1 empty); the table then needs ceil(lens[b] / bs) valid ids in row b."""
+    past that are never read, nor seen by the NaN flag or the logit bound), in _chunk(lens[b]) chunks, so sequences of
+    different lengths share one _run (segment 1 empty), each bit for bit its own read; the table then needs
+    ceil(lens[b] / bs) valid ids in row b."""
     if base is None:
         base = paged_base(k=k, v=v, rho=rho, k_transposed=k_transposed, k_scales=k_scales, v_scales=v_scales, fp8=fp8,
                           int4=int4)
@@ -758,9 +762,15 @@ def paged_seg(n, *, table, k=None, v=None, rho=None, k_transposed=None, k_scales
                 or not lens.is_contiguous() or lens.device.type != "cpu"):
             raise ValueError(f"lens: int32 contiguous [{table.shape[0]}] on the CPU (one per table row), got "
                              f"{getattr(lens, 'dtype', lens)} {tuple(getattr(lens, 'shape', ()))}")
-        ln = lens.numpy()
-        if int(ln.min()) < 1 or int(ln.max()) > n:
-            raise ValueError(f"lens: each sequence's token count must lie in [1, n = {n}]")
+        seen, ver = _LENS[0], _checks.version(lens)
+        if seen is not None and seen[0] is lens and seen[1] == ver and ver is not None and seen[2] == n:
+            ln, chunks = seen[3], seen[4]  # the same lens at the same version (a step's layers): checked already
+        else:
+            ln = lens.numpy()
+            if int(ln.min()) < 1 or int(ln.max()) > n:
+                raise ValueError(f"lens: each sequence's token count must lie in [1, n = {n}]")
+            chunks = torch.from_numpy(_chunk(ln.astype(np.int64)).astype(np.int32))  # each sequence's own chunks
+            _LENS[0] = (lens, ver, n, ln, chunks)
     if int(ids.min()) < 0 or int(ids.max()) >= base["nb"]:
         if lens is not None:  # only each row's own blocks are read: check those
             ids = ids[np.arange(need)[None, :] < -(-ln[:, None] // base["bs"])]
@@ -773,7 +783,11 @@ def paged_seg(n, *, table, k=None, v=None, rho=None, k_transposed=None, k_scales
         reuse = {**base, "c": c, "B": table.shape[0], "_base": base}
     c.n = n
     c.table, c.tb_sb = table.data_ptr(), table.stride(0)
-    c.lens = None if lens is None else lens.data_ptr()
+    if lens is None:
+        c.lens = c.lchunk = None
+    else:  # each sequence's own chunk size, _chunk(lens[b]): its read is bit for bit its own, whatever shares the call
+        c.lens, c.lchunk = lens.data_ptr(), chunks.data_ptr()
+        reuse["lchunk"] = chunks
     reuse["table"], reuse["lens"] = table, lens
     return reuse
 

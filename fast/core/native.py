@@ -18,7 +18,7 @@ import torch
 from fast.core.threads import read_threads
 
 SRC = Path(__file__).resolve().parent / "csrc" / "cpu_fused.cpp"
-ABI = 10  # csrc: kvcert_fused_abi (bumped with every change of Seg / Args or of an entry point's arguments)
+ABI = 11  # csrc: kvcert_fused_abi (bumped with every change of Seg / Args or of an entry point's arguments)
 FLAGS = ["-O3", "-g", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp", "-fopenmp-simd", "-fPIC", "-shared", "-std=c++17"]
 
 
@@ -43,7 +43,7 @@ class _Seg(ctypes.Structure):
         ("f8scale", ctypes.c_float), ("f8pre", ctypes.c_float), ("f8post", ctypes.c_float),
         ("dith", ctypes.c_int), ("dkey", ctypes.c_void_p), ("dk_sb", ctypes.c_int64), ("dk_sh", ctypes.c_int64),
         ("dtok0", ctypes.c_int64), ("f16", ctypes.c_int), ("verr", ctypes.c_void_p), ("ve_sb", ctypes.c_int64),
-        ("ve_sh", ctypes.c_int64), ("f8fmt", ctypes.c_int), ("lens", ctypes.c_void_p)]]
+        ("ve_sh", ctypes.c_int64), ("f8fmt", ctypes.c_int), ("lens", ctypes.c_void_p), ("lchunk", ctypes.c_void_p)]]
 
 
 class _Args(ctypes.Structure):

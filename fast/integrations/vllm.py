@@ -422,6 +422,7 @@ class _State:
         self.pending = []  # kernel reads of this step whose certificates are not computed yet (see flush)
         self.pending_layers = set()
         self._step_md, self._step = None, None
+        self.rows_of = None  # (metadata, fused, KVCertImpl._rows' result) of the step
         self.clear()
 
     def clear(self):
@@ -728,26 +729,35 @@ def _backend_classes():
             return cpu_fused._run(q.contiguous(), qpos, [s0, self._empty_seg()], self.scale, self._bands64, 1, 1, certify,
                                   lut=lut, out=out)
 
-        def _decode_batch(self, rows, q_all, out_all, kv_cache, md, certify):
-            """The decode rows (one token each) of several requests, rows [(b, token index, N)], in one kernel call
-            (paged_seg(lens=...): each request reads its own N tokens only), served into out_all ->
-            (q [B, 1, H, D], qpos [B, 1], table [B, w], stats [B, 1, H, 5] or None, out [B, 1, H, D])."""
-            tok = torch.tensor([r[1] for r in rows])
-            lens = torch.tensor([r[2] for r in rows], dtype=torch.int32)
+        def _decode_batch(self, dec, q_all, out_all, kv_cache, md, certify):
+            """The decode rows (one token each) of several requests (dec: _rows') in one kernel call (paged_seg(lens=...):
+            each request reads its own N tokens only, in its own chunks: bit for bit its own read), served into out_all
+            -> (q [B, 1, H, D], table [B, w], stats [B, 1, H, 5] or None, out [B, 1, H, D])."""
+            rows, tok, bi, lens, qpos = dec
             q = q_all.index_select(0, tok)[:, None]
-            table = md.block_table.index_select(0, torch.tensor([r[0] for r in rows])).to(torch.int32)
-            qpos = (lens - 1).view(-1, 1)
+            table = md.block_table.index_select(0, bi).to(torch.int32)
             out, stats = self._kernel(q, kv_cache, table, max(r[2] for r in rows), qpos, None, certify, lens=lens)
             out_all.index_copy_(0, tok, out[:, 0].to(out_all.dtype))
-            return q, qpos, table, stats, out
+            return q, table, stats, out
 
         def _rows(self, md):
-            """This step's requests with rows: [(b, t0, t1, N)], and the decode ones (T = 1) read in one call
-            when there are at least two and the fused read serves (else [])."""
+            """This step's requests with rows: [(b, t0, t1, N)], and the decode ones (T = 1), read in one call when
+            there are at least two and the fused read serves: ([(b, token index, N)], their token indices, batch
+            indices, lens int32, qpos int32 [B, 1]), else None. Once per step (the layers share it)."""
+            got = STATE.rows_of
+            if got is not None and got[0] is md and got[1] == self._fused():
+                return got[2]
             qsl, seq, _ = STATE.step_of(md)
             rows = [(b, qsl[b], qsl[b + 1], seq[b]) for b in range(len(seq)) if qsl[b + 1] > qsl[b] and seq[b] > 0]
             dec = [(b, t0, N) for b, t0, t1, N in rows if t1 - t0 == 1] if self._fused() else []
-            return rows, dec if len(dec) >= 2 else []
+            if len(dec) >= 2:
+                with torch.inference_mode(False):  # normal tensors: paged_seg keeps the lens check while its version holds
+                    lens = torch.tensor([r[2] for r in dec], dtype=torch.int32)
+                    dec = (dec, torch.tensor([r[1] for r in dec]), torch.tensor([r[0] for r in dec]), lens, (lens - 1).view(-1, 1))
+            else:
+                dec = None
+            STATE.rows_of = (md, self._fused(), (rows, dec))
+            return rows, dec
 
         def _serve_uncertified(self, query, kv_cache, md, output):
             """The packed page read by the fused kernel without certificates (KVCERT_CERTIFY=0: the speed
@@ -806,8 +816,8 @@ def _backend_classes():
             entries = []
             rows, dec = self._rows(md)
             if dec:  # the decode rows of all requests in one call; one entry each, as a read of its own
-                q, qpos, table, stats, out = self._decode_batch(dec, q_all, out_all, kv_cache, md, True)
-                for i, (b, t0, N) in enumerate(dec):
+                q, table, stats, out = self._decode_batch(dec, q_all, out_all, kv_cache, md, True)
+                for i, (b, t0, N) in enumerate(dec[0]):
                     e = {"impl": self, "request": ids[b], "layer": lidx, "N": N, "T": 1, "pos": _positions(N - 1, N),
                          "stats": stats[i:i + 1], "cert": None, "q": q[i], "table": table[i:i + 1], "kv": kv_cache}
                     if vllm_out is not None:

@@ -210,10 +210,13 @@ struct Seg {
     // fp8 rows decoded by bit arithmetic (fp8_bits) instead of the table gather: 1 (e4m3), 2 (e5m2), 0 (the gather). Set
     // by the kernel itself (run: fp8_format checks the decode against every entry of f8lut); the caller's value is ignored.
     int f8fmt;
-    // paged only: lens [B] int32, sequence b's own token count (<= n; null: n for every sequence). Sequence b reads
-    // (and its NaN flag and logit bound see) only its tokens 0..lens[b]-1: the blocks past its end are never read,
-    // so requests of different lengths share one call (segment 1 then empty: the caller checks it)
+    // paged only: lens [B] int32, sequence b's own token count (<= n; null: n for every sequence), and lchunk [B] its
+    // own chunk size (cpu_fused._chunk(lens[b]), a multiple of 8). Sequence b reads (and its NaN flag and logit bound
+    // see) only its tokens 0..lens[b]-1, in the chunks a read of it alone would use: the blocks past its end are
+    // never read, and its result is bit for bit its own read's, whatever else shares the call (segment 1 empty: the
+    // caller checks it)
     const int32_t* lens;
+    const int32_t* lchunk;
 };
 
 // n / m for n >= 0, m >= 1: a shift when m is a power of two (the usual group widths and block sizes), else the
@@ -1173,8 +1176,14 @@ inline void dither_sums(const Seg& sg, const float* w, const uint8_t* o, const f
 
 void run_args(const Args& a);
 
-// the tokens sequence b reads: its own length (Seg.lens, paged segment 0) or all N
-inline int64_t seq_len(const Args& a, int64_t b, int64_t N) { return a.seg[0].lens ? (int64_t)a.seg[0].lens[b] : N; }
+// the tokens [j0, j1) of chunk c of sequence b: its own length and chunk size (Seg.lens, lchunk: paged segment 0), or
+// chunks of CH over all N; empty (j0 = j1) past the sequence's last chunk
+inline void chunk_of(const Args& a, int64_t b, int64_t c, int64_t N, int64_t CH, int64_t& j0, int64_t& j1) {
+    const Seg& sg = a.seg[0];
+    const int64_t n = sg.lens ? (int64_t)sg.lens[b] : N, ch = sg.lens ? (int64_t)sg.lchunk[b] : CH;
+    j0 = std::min(c * ch, n);
+    j1 = std::min(n, j0 + ch);
+}
 
 // The kernel on a copy of the arguments with the fields it sets itself (Seg.f8fmt)
 void run(const Args& in) {
@@ -1193,7 +1202,11 @@ void run_args(const Args& a) {
     const int64_t G = H / Hkv, R = T * G;
     const int64_t N0 = a.seg[0].n, N1 = a.seg[1].n, N = N0 + N1;
     const int64_t CH = a.chunk;
-    const int64_t nch = (N + CH - 1) / CH;
+    int64_t nch = (N + CH - 1) / CH;
+    if (a.seg[0].lens) {  // per-sequence chunks: as many work items per (b, h) as the sequence with the most chunks
+        nch = 1;
+        for (int64_t b = 0; b < B; ++b) nch = std::max<int64_t>(nch, (a.seg[0].lens[b] + a.seg[0].lchunk[b] - 1) / a.seg[0].lchunk[b]);
+    }
     const int64_t items = B * Hkv * nch;
     static thread_local std::vector<float> logits, pmax, pout, pkmax, pnan;
     static thread_local std::vector<uint8_t> okmask;
@@ -1259,7 +1272,8 @@ void run_args(const Args& a) {
 #pragma omp parallel for schedule(static) num_threads(a.threads)
     for (int64_t it = 0; it < items; ++it) {
         const int64_t b = it / (Hkv * nch), h = (it / nch) % Hkv, c = it % nch;
-        const int64_t j0 = c * CH, j1 = std::max(j0, std::min(seq_len(a, b, N), j0 + CH));  // a chunk past b's end: empty
+        int64_t j0, j1;
+        chunk_of(a, b, c, N, CH, j0, j1);
         float* lg = LG + (b * Hkv + h) * R * N;
         float* km = PKMAX + it * 2 * D;  // [0, D): max scale, [D, 2D): max |k| of fp32 rows
         for (int64_t d = 0; d < 2 * D; ++d) km[d] = 0.0f;
@@ -1420,7 +1434,8 @@ void run_args(const Args& a) {
 #pragma omp parallel for schedule(static) num_threads(a.threads)
     for (int64_t it = 0; it < items; ++it) {
         const int64_t b = it / (Hkv * nch), h = (it / nch) % Hkv, c = it % nch;
-        const int64_t j0 = c * CH, j1 = std::max(j0, std::min(seq_len(a, b, N), j0 + CH));  // a chunk past b's end: empty
+        int64_t j0, j1;
+        chunk_of(a, b, c, N, CH, j0, j1);
         const int64_t L = j1 - j0;
         float* lg = LG + (b * Hkv + h) * R * N;
         static thread_local std::vector<float> rtbuf;  // the chunk's witness, band-major (this worker's own)
@@ -1784,7 +1799,7 @@ int epilogue(const double* st, int64_t rows, const EpiConst& k, float* out) {
 
 extern "C" {
 
-int kvcert_fused_abi() { return 10; }
+int kvcert_fused_abi() { return 11; }
 
 int kvcert_fused_avx2() { return KVCERT_AVX2; }
 
