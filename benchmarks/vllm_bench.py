@@ -222,9 +222,9 @@ def main(argv=None):
         doc = {**res, "decode_tok_s": speed, "speed_run": run}
         if os.path.exists(args.out):
             with open(args.out) as f:
-                doc = json.load(f)
-            doc["decode_tok_s"], doc["speed_run"] = speed, run
-            if "ruler" in doc:
+                old = json.load(f)
+            if "ruler" in old:  # a full run's file: only its speed part replaced
+                doc = {**old, "decode_tok_s": speed, "speed_run": run}
                 doc["readme_tables"] = _tables(doc)
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=2)

@@ -9,7 +9,10 @@ block count times the block size (cache_config.num_gpu_blocks, as the engine cor
 maximum concurrency at the workload's tokens per request. Then one run per engine of the same --requests
 requests (passkey prompts of ~--filler sentences, --max-tokens greedy tokens each, all submitted at once):
 wall seconds, requests/s, generated tokens/s, and for kvcert the certified reads (every read of a quantized
-key, prefill chunks included). Engines: vLLM alone with its fp32 cache (the baseline), kvcert's packed
+key, prefill chunks included); every run starts from an empty prefix cache. The int8 page without and with
+certificates (the certificates' cost under load) run side by side, --rounds times in turn, the order swapped
+every round: their rows are their median rounds, cert_cost the median and range over rounds of
+1 - certified / uncertified tokens/s. Engines: vLLM alone with its fp32 cache (the baseline), kvcert's packed
 int8 page without certificates (KVCERT_CERTIFY=0, the same codes) and with them, the packed fp8 page
 (fp8_per_token_head: e4m3 codes, one fp32 scale per token and KV head) and the packed int4 page
 (int4_per_token_head: two codes a byte, one fp16 scale per token and KV head) with them; kvcert's fp8 (the
@@ -51,39 +54,76 @@ def _blocks(llm):
     return int(cc.num_gpu_blocks), int(cc.block_size)
 
 
+PAIR = ("kvcert int8, packed page (no certificate)", "kvcert int8, packed page, certified")  # the cost's rounds
+
+
+def _start(model, name, args, per_req, warm):
+    """(engine, its row: capacity, kvcert's bytes) after a warm-up request (warm: a prompt)."""
+    from vllm import SamplingParams
+    kw = ENGINES[name][0]
+    llm = _llm(model, kw, args.budget_mib << 20, args.max_model_len, args.batched_tokens)
+    nb, bs = _blocks(llm)
+    row = {"engine": name, "kvcert": kw, "blocks": nb, "block_size": bs, "capacity_tokens": nb * bs,
+           "max_concurrency": nb * bs / per_req}
+    llm.generate([warm], SamplingParams(max_tokens=2, temperature=0.0))  # kernel build, caches
+    if kw is not None:  # after the first write: the plugin counts the bytes as each layer's cache is first used
+        (mem,) = llm.collective_rpc("kvcert_memory")
+        row["memory"] = {k: mem[k] for k in ("budget", "vllm_share", "vllm_cache_bytes", "kvcert_bytes")}
+    return llm, row
+
+
+def _workload(llm, kw, prompts, params):
+    """One timed run of every request at once, from an empty prefix cache: seconds, rates, answers."""
+    from fast.integrations.vllm import generate
+    llm.reset_prefix_cache()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params) if kw is None else generate(llm, prompts, params)  # each with .kvcert
+    sec = time.perf_counter() - t
+    gen = sum(len(o.outputs[0].token_ids) for o in outs)
+    got = {"seconds": sec, "requests_per_s": len(prompts) / sec, "generated_tokens_per_s": gen / sec,
+           "generated_tokens": gen, "answers": [list(o.outputs[0].token_ids) for o in outs]}
+    if kw is not None and kw.get("certify", True):
+        got["certified_reads"] = sum(o.kvcert["reads"] for o in outs)
+    return got
+
+
 def run(model, prompts, args):
+    """One row per engine. The int8 pair (PAIR: the same codes without and with certificates) runs side by side,
+    --rounds times in turn (the order swapped every round); each row gets its median round (by tokens/s) and
+    every round's tokens/s, and cert_cost the median over rounds of 1 - certified / uncertified."""
     from tqdm import tqdm
     from vllm import SamplingParams
-
-    from fast.integrations.vllm import generate
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     per_req = max(len(p["prompt_token_ids"]) for p in prompts) + args.max_tokens
-    rows = []
-    for name in tqdm([n for n in ENGINES if n in args.engines.split("|")] if args.engines else list(ENGINES), desc="engines"):
-        kw, load = ENGINES[name]
-        llm = _llm(model, kw, args.budget_mib << 20, args.max_model_len, args.batched_tokens)
-        nb, bs = _blocks(llm)
-        row = {"engine": name, "kvcert": kw, "blocks": nb, "block_size": bs, "capacity_tokens": nb * bs,
-               "max_concurrency": nb * bs / per_req}
-        rows.append(row)
-        llm.generate([prompts[0]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up (kernel build, caches)
-        if kw is not None:  # after the first write: the plugin counts the bytes as each layer's cache is first used
-            (mem,) = llm.collective_rpc("kvcert_memory")
-            row["memory"] = {k: mem[k] for k in ("budget", "vllm_share", "vllm_cache_bytes", "kvcert_bytes")}
-        if not load:
-            del llm
-            continue
-        t = time.perf_counter()
-        outs = llm.generate(prompts, params) if kw is None else generate(llm, prompts, params)  # each with .kvcert
-        sec = time.perf_counter() - t
-        gen = sum(len(o.outputs[0].token_ids) for o in outs)
-        row.update({"seconds": sec, "requests_per_s": len(prompts) / sec, "generated_tokens_per_s": gen / sec,
-                    "generated_tokens": gen, "answers": [list(o.outputs[0].token_ids) for o in outs]})
-        if kw is not None and kw.get("certify", True):
-            row["certified_reads"] = sum(o.kvcert["reads"] for o in outs)
-        del llm
+    names = [n for n in ENGINES if n in args.engines.split("|")] if args.engines else list(ENGINES)
+    paired = all(n in names for n in PAIR)
+    rows, cost = [], None
+    for name in tqdm(names, desc="engines"):
+        if paired and name == PAIR[1]:
+            continue  # run beside PAIR[0]
+        group = PAIR if paired and name == PAIR[0] else (name,)
+        started = {n: _start(model, n, args, per_req, prompts[0]) for n in group}
+        runs = {n: [] for n in group}
+        if ENGINES[name][1]:
+            for r in range(args.rounds if len(group) > 1 else 1):
+                for n in (group if r % 2 == 0 else group[::-1]):
+                    runs[n].append(_workload(started[n][0], ENGINES[n][0], prompts, params))
+        for n in group:
+            row = started[n][1]
+            if runs[n]:
+                by_rate = sorted(runs[n], key=lambda x: x["generated_tokens_per_s"])
+                row.update(by_rate[len(by_rate) // 2])
+                if len(group) > 1:
+                    row["rounds_tokens_per_s"] = [x["generated_tokens_per_s"] for x in runs[n]]
+            rows.append(row)
+        if len(group) > 1 and runs[group[0]]:
+            per_round = sorted(1.0 - c["generated_tokens_per_s"] / u["generated_tokens_per_s"]
+                               for u, c in zip(runs[PAIR[0]], runs[PAIR[1]]))
+            cost = {"median": per_round[len(per_round) // 2], "min": per_round[0], "max": per_round[-1],
+                    "rounds": len(per_round)}
+        del started
     add_ratios(rows)
-    return rows, per_req
+    return rows, per_req, cost
 
 
 def add_ratios(rows):
@@ -109,9 +149,12 @@ def table(res):
     bf16 = res["bf16_equivalent"]
     rows.append(["bf16 cache (computed, not run)", f"{bf16['capacity_tokens']:,}", f"{bf16['max_concurrency']:.1f}",
                  f"{bf16['capacity_vs_fp32']:.2f}x", "-", "-", "-", "-"])
+    cost = res.get("cert_cost")
+    cost = (f"; int8's certificates cost {100 * cost['median']:.1f}% of tokens/s under this load (median of {cost['rounds']} "
+            f"rounds in turn, range {100 * cost['min']:.1f}% to {100 * cost['max']:.1f}%)") if cost else ""
     return {"title": f"kvcert inside vLLM: KV capacity and throughput at one KV budget of {res['budget_mib']} MiB "
                      f"(SmolLM2-135M fp32, CPU; {res['requests']} requests of ~{res['prompt_tokens_median']} prompt "
-                     f"tokens + {res['max_tokens']} generated, submitted at once)",
+                     f"tokens + {res['max_tokens']} generated, submitted at once){cost}",
             "header": ["engine", "KV capacity (tokens)", "max concurrency", "capacity vs fp32", "requests/s",
                        "generated tokens/s", "throughput vs fp32", "certified reads"],
             "rows": rows}
@@ -125,6 +168,7 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--batched-tokens", type=int, default=2048)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the int8 pair without / with certificates")
     ap.add_argument("--engines", default="", help="'|'-separated engine names (default: all)")
     ap.add_argument("--out", default="results/vllm_capacity.json")
     args = ap.parse_args(argv)
@@ -137,7 +181,7 @@ def main(argv=None):
     from fast.integrations.vllm import packed_row_bytes, smollm2_dir
     model = str(smollm2_dir())
     prompts = [p for p, _ in _prompts(AutoTokenizer.from_pretrained(model), args.requests, args.filler)]
-    rows, per_req = run(model, prompts, args)
+    rows, per_req, cost = run(model, prompts, args)
     lens = sorted(len(p["prompt_token_ids"]) for p in prompts)
     base = next((r for r in rows if r["kvcert"] is None), None)
     res = {"command": "python -m benchmarks.vllm_capacity " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -149,7 +193,7 @@ def main(argv=None):
                                       "int8 packed (no certificate)": packed_row_bytes(64, 8, certify=False),
                                       "fp8_per_token_head packed (certified)": packed_row_bytes(64, 8, True, "fp8_per_token_head"),
                                       "int4_per_token_head packed (certified)": packed_row_bytes(64, 8, True, "int4_per_token_head")},
-           "engines": rows}
+           "engines": rows, "cert_cost": cost}
     if base is not None:
         cap = 2 * base["capacity_tokens"]
         res["bf16_equivalent"] = {"capacity_tokens": cap, "max_concurrency": cap / per_req, "capacity_vs_fp32": 2.0}

@@ -677,6 +677,27 @@ def test_vllm_collect_without_records_says_so(tiny):
     assert outs[0].kvcert["reads"] > 0 and all(p["records"] == [] and p["records_dropped"] > 0 for p in parts)
 
 
+def test_vllm_lean_summaries_are_the_per_request_ones(tiny):
+    """Without gate, shadow or records the decode rows of a step are summarised per batch (_finish_batch), not
+    one entry per request: the same engine keeping records (one entry per request, _finish_one) gives every
+    request the same counts and, within 1e-3, the same bounds (four requests decode together; not bit for bit:
+    the step's one epilogue takes N = the largest N of its reads, and which requests share a step can vary from
+    run to run as vLLM receives them: 4e-5 relative in sum_bound seen between two runs of one engine)."""
+    from vllm import SamplingParams
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    got = []
+    for records in (0, 10_000):
+        llm = _engine(tiny, codec="int8", records=records)
+        outs = generate(llm, [{"prompt_token_ids": p} for p in PROMPTS], params)
+        got.append([(list(o.outputs[0].token_ids), o.kvcert, o.num_cached_tokens or 0) for o in outs])
+        del llm
+    for p, (toks0, s0, c0), (toks1, s1, c1) in zip(PROMPTS, *got):
+        assert toks0 == toks1 and c0 == c1
+        assert all(s0[k] == s1[k] for k in ("rows", "reads", "repairs", "violations")), (s0, s1)
+        assert all(s0[k] == pytest.approx(s1[k], rel=1e-3) for k in ("max_bound", "max_pre_gate", "sum_bound")), (s0, s1)
+        assert s0["rows"] == (len(p) - c0 + 11) * 2 and s0["reads"] == s0["rows"] * 4  # 2 layers, 4 query heads
+
+
 def test_vllm_worker_state_is_bounded(bounded):
     """A server never calls generate(): records stay at the cap (the newest kept, the rest counted), the
     summaries of finished requests at max_summaries (the oldest dropped, counted), the gate's per-request

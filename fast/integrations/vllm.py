@@ -815,16 +815,19 @@ def _backend_classes():
             now = self.exact_k is not None  # gate or shadow: the bound decides what is served / is checked now
             entries = []
             rows, dec = self._rows(md)
-            if dec:  # the decode rows of all requests in one call; one entry each, as a read of its own
+            if dec:  # the decode rows of all requests in one call; one entry for them (a read of its own each)
                 q, table, stats, out = self._decode_batch(dec, q_all, out_all, kv_cache, md, True)
-                for i, (b, t0, N) in enumerate(dec[0]):
-                    e = {"impl": self, "request": ids[b], "layer": lidx, "N": N, "T": 1, "pos": _positions(N - 1, N),
-                         "stats": stats[i:i + 1], "cert": None, "q": q[i], "table": table[i:i + 1], "kv": kv_cache}
-                    if vllm_out is not None:
-                        e["out_diff"] = float((vllm_out[t0:t0 + 1] - out[i]).abs().max())
-                    if now:
-                        e["out"] = out_all[t0:t0 + 1]
-                    entries.append(e)
+                batch = {"impl": self, "layer": lidx, "batch": [ids[b] for b, _, _ in dec[0]], "Ns": [N for _, _, N in dec[0]],
+                         "stats": stats, "cert": None, "q": q, "table": table, "kv": kv_cache}
+                if now or self.cfg.records or self.cfg.trace_dir:  # gate, shadow or records: one entry per request
+                    for i, (e, (_, t0, _)) in enumerate(zip(_unbatch(batch), dec[0])):
+                        if vllm_out is not None:
+                            e["out_diff"] = float((vllm_out[t0:t0 + 1] - out[i]).abs().max())
+                        if now:
+                            e["out"] = out_all[t0:t0 + 1]
+                        entries.append(e)
+                else:  # only the requests' summaries: _finish_batch
+                    entries.append(batch)
             for b, t0, t1, N in rows:
                 T = t1 - t0
                 if dec and T == 1:
@@ -884,7 +887,8 @@ def _backend_classes():
                     true_tv = _true_tv(q, ek, k, pos, self.scale, rep)  # [T, H]
             s["rows"] += T
             s["reads"] += T * H
-            top, total = e.get("top_sum") or (float(bound.max()), float(bound.sum()))
+            tops = e.get("top_sum")
+            top, total = (max(tops[0]), sum(tops[1])) if tops else (float(bound.max()), float(bound.sum()))
             if served is not bound:  # the gate's repairs: the served bounds
                 total = float(served.sum())
             s["max_bound"] = max(s["max_bound"], top if served is bound else float(served.max()))
@@ -914,6 +918,23 @@ def _backend_classes():
                 m["repairs"].inc(len(fresh))
                 m["bound"].observe(float(served.max()))
 
+        def _finish_batch(self, e):
+            """The summaries of a batch entry's requests, one decode row each (no gate, shadow or record:
+            _certify's lean case), as _finish_one would leave them."""
+            m, H = _metrics(), self.num_heads
+            for rid, top, total in zip(e["batch"], *e["top_sum"]):
+                STATE.repaired.setdefault(rid, {})
+                s = STATE.summary_of(rid)
+                s["rows"] += 1
+                s["reads"] += H
+                s["max_bound"] = max(s["max_bound"], top)
+                s["max_pre_gate"] = max(s["max_pre_gate"], top)
+                s["sum_bound"] += total
+                if m is not None:
+                    m["reads"].inc(H)
+                    m["bound"].observe(top)
+            STATE.records_dropped += len(e["batch"])
+
     class KVCertBackend(CPUAttentionBackend):
         @staticmethod
         def get_impl_cls():
@@ -934,6 +955,13 @@ def _backend_classes():
     return KVCertBackend, KVCertImpl
 
 
+def _unbatch(e):
+    """A batch entry (_certify: the decode rows of several requests, one each) -> one entry per request."""
+    return [{"impl": e["impl"], "request": rid, "layer": e["layer"], "N": N, "T": 1, "pos": _positions(N - 1, N),
+             "stats": e["stats"][i:i + 1], "cert": None, "q": e["q"][i], "table": e["table"][i:i + 1], "kv": e["kv"]}
+            for i, (rid, N) in enumerate(zip(e["batch"], e["Ns"]))]
+
+
 def _finish(entries):
     """Certificates of the kernel reads in entries (one epilogue, cpu_fused._certificate, for all their rows
     with N = the largest N among them: every margin grows with N, so each row's certificate stays an upper
@@ -944,15 +972,22 @@ def _finish(entries):
         impl = pend[0]["impl"]
         H, D, NB = impl.num_heads, impl.head_size, impl._bands64.shape[0]
         stats = torch.cat([e["stats"].view(-1, 1, H, 5) for e in pend])
-        cert = cpu_fused._certificate(stats, NB, max(e["N"] for e in pend), D)
+        cert = cpu_fused._certificate(stats, NB, max(max(e["Ns"]) if "batch" in e else e["N"] for e in pend), D)
         if cert is not None:
             bound, i = cert["min"][:, 0], 0
             tops, sums = bound.amax(1).tolist(), bound.sum(1).tolist()  # per row, for the summaries
             for e in pend:
-                e["bound"] = bound[i:i + e["T"]]
-                e["top_sum"] = (max(tops[i:i + e["T"]]), sum(sums[i:i + e["T"]]))
-                i += e["T"]
+                n = e["stats"].shape[0] * e["stats"].shape[1]  # rows: a request's T, or a batch's requests
+                e["bound"] = bound[i:i + n]
+                e["top_sum"] = (tops[i:i + n], sums[i:i + n])
+                i += n
     for e in entries:
+        if "batch" in e:
+            if "bound" in e:
+                e["impl"]._finish_batch(e)
+                continue
+            _finish(_unbatch(e))  # the epilogue refused some row: each request's read on its own, as below
+            continue
         if "bound" not in e:
             cert = e["cert"]
             if cert is None:
