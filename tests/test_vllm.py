@@ -677,22 +677,25 @@ def test_vllm_collect_without_records_says_so(tiny):
     assert outs[0].kvcert["reads"] > 0 and all(p["records"] == [] and p["records_dropped"] > 0 for p in parts)
 
 
-def test_vllm_lean_summaries_are_the_per_request_ones(tiny):
+@pytest.mark.parametrize("fault", ["none", "key_scale:10"])
+def test_vllm_lean_summaries_are_the_per_request_ones(tiny, fault):
     """Without gate, shadow or records the decode rows of a step are summarised per batch (_finish_batch), not
     one entry per request: the same engine keeping records (one entry per request, _finish_one) gives every
     request the same counts and bounds (four requests decode together; compared within 1e-3: two runs of one
     engine gave sum_bound 4e-5 apart, as vLLM's prefill chunks depend on when its engine process receives the
     requests). And a request's reads are its own: the 5-token request (one prefill chunk) alone gets the tokens and
     summary it got beside the three others, bit for bit (the step's epilogue takes the largest N of its reads, which
-    enters the certificate only through fp64 terms, gamma_N, far below fp32's resolution)."""
+    enters the certificate only through fp64 terms, gamma_N, far below fp32's resolution). With keys stored times
+    10 (KVCERT_FAULT) the witness is so large that the fp32 epilogue refuses the rows: the batch entry goes back to
+    one entry per request, read again by the twin (_unbatch), with the same summaries as the records engine."""
     from vllm import SamplingParams
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     got = []
     for records in (0, 10_000):
-        llm = _engine(tiny, codec="int8", records=records)
+        llm = _engine(tiny, codec="int8", records=records, fault=fault)
         outs = generate(llm, [{"prompt_token_ids": p} for p in PROMPTS], params)
         got.append([(list(o.outputs[0].token_ids), o.kvcert, o.num_cached_tokens or 0) for o in outs])
-        if not records:
+        if not records and fault == "none":
             (alone,) = generate(llm, [{"prompt_token_ids": PROMPTS[2]}], params)
         del llm
     for p, (toks0, s0, c0), (toks1, s1, c1) in zip(PROMPTS, *got):
@@ -701,6 +704,9 @@ def test_vllm_lean_summaries_are_the_per_request_ones(tiny):
         assert all(s0[k] == pytest.approx(s1[k], rel=1e-3) for k in ("max_bound", "max_pre_gate", "sum_bound")), (s0, s1)
         assert s0["rows"] == (len(p) - c0 + 11) * 2 and s0["reads"] == s0["rows"] * 4  # 2 layers, 4 query heads
     toks, s, cached = got[0][2]
+    if fault != "none":
+        assert s["max_bound"] == 1.0  # the fault is flagged
+        return
     assert list(alone.outputs[0].token_ids) == toks and cached == 0 == (alone.num_cached_tokens or 0)
     keys = ("rows", "reads", "max_bound", "sum_bound")
     assert {k: alone.kvcert[k] for k in keys} == {k: s[k] for k in keys}
