@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import sys
 import time
 
@@ -204,7 +205,7 @@ def main(argv=None):
     res = {"machine": {"platform": platform.platform(), "cpu": platform.processor() or platform.machine(),
                        "cores": os.cpu_count(), "avx512": bool(torch.cpu._is_avx512_supported())},
            "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
-           "command": "python -m benchmarks.vllm_bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "command": "python -m benchmarks.vllm_bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
            "model": "SmolLM2-135M-Instruct (fp32)", "note": (
                "vLLM's CPU backend refuses fp8 KV caches without AVX-512/AMX; the plugin applies vLLM's fp8 cast "
                "(fast.core.quant fp8_*_rtz, = fast.integrations.vllm_fp8) and stores the decoded values in vLLM's fp32 paged cache, so speed "

@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import sys
 import time
 
@@ -184,7 +185,7 @@ def main(argv=None):
     rows, per_req, cost = run(model, prompts, args)
     lens = sorted(len(p["prompt_token_ids"]) for p in prompts)
     base = next((r for r in rows if r["kvcert"] is None), None)
-    res = {"command": "python -m benchmarks.vllm_capacity " + " ".join(argv if argv is not None else sys.argv[1:]),
+    res = {"command": "python -m benchmarks.vllm_capacity " + shlex.join(argv if argv is not None else sys.argv[1:]),
            "machine": {"platform": platform.platform(), "cores": os.cpu_count()},
            "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
            "model": "SmolLM2-135M-Instruct (fp32)", "budget_mib": args.budget_mib, "requests": len(prompts),

@@ -12,6 +12,7 @@ passkey accuracy with and without the gate, side-store bytes.
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 
@@ -53,7 +54,7 @@ def main(argv=None):
     model = str(smollm2_dir())
     prompts = _prompts(AutoTokenizer.from_pretrained(model), args.prompts, args.filler)
     codecs = args.codecs.split(",")
-    res = {"command": "python -m benchmarks.vllm_tight " + " ".join(argv if argv is not None else sys.argv[1:]),
+    res = {"command": "python -m benchmarks.vllm_tight " + shlex.join(argv if argv is not None else sys.argv[1:]),
            "model": "SmolLM2-135M-Instruct (fp32)", "prompts": len(prompts),
            "prompt_tokens": [len(p["prompt_token_ids"]) for p, _ in prompts], "decode_tokens": args.decode_tokens,
            "gate": args.gate, "soundness": [], "gates": []}

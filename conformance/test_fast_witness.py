@@ -10,12 +10,14 @@ Shrunk failures: conformance/corpus_fast/test_fast_witness.json, replayed by @ex
 import json
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mpmath import mpf
 
 import fast
+from fast.core.witness import max_packable
 from reference import band as ref
 from conformance._check import replay
 
@@ -104,26 +106,32 @@ def test_logit_error_bound_ge_reference(case):
 
 
 @settings(max_examples=60)
-@given(seed=st.integers(0, 2**31 - 1), mag=st.sampled_from([1e-7, 1e-3, 1.0, 1e3]))
-def test_packed_witness_ge_rho(seed, mag):
-    """Property: unpack(pack(rho)) >= rho, and at most one log step (2^(1/8)) above it."""
+@given(seed=st.integers(0, 2**31 - 1), mag=st.sampled_from([1e-7, 1e-3, 1.0, 1e3]), fine=st.booleans())
+def test_packed_witness_ge_rho(seed, mag, fine):
+    """Property: unpack(pack(rho)) >= rho, and at most one log step (2^(1/8), the fine table's 2^(1/16)) above it
+    or at code 1; above the table's top regular code (the fine table's ~28) the top code, the largest fp32."""
     rho = torch.rand(4, 64, generator=torch.Generator().manual_seed(seed)) * mag
     rho[0, :3] = 0
-    back = fast.unpack_witness(fast.pack_witness(rho))
+    back = fast.unpack_witness(fast.pack_witness(rho, fine=fine), fine=fine)
     assert bool((back >= rho).all()), (seed, mag)
-    floor = fast.unpack_witness(torch.tensor([1], dtype=torch.uint8))
-    assert bool((back <= torch.maximum(rho * 2 ** (1 / 8) * (1 + 1e-6), floor)).all()), (seed, mag)
+    floor = fast.unpack_witness(torch.tensor([1], dtype=torch.uint8), fine=fine)
+    step = 2 ** (1 / 16) if fine else 2 ** (1 / 8)
+    regular = rho <= max_packable(fine)
+    assert bool((back[regular] <= torch.maximum(rho[regular] * step * (1 + 1e-6), floor)).all()), (seed, mag)
+    assert bool((back[~regular] == torch.finfo(torch.float32).max).all())
     assert bool((back[rho == 0] == 0).all())
 
 
-def test_log_table_is_strictly_increasing():
+@pytest.mark.parametrize("fine", [False, True])
+def test_log_table_is_strictly_increasing(fine):
     """A5d: pack_witness takes the first table entry >= rho (searchsorted), sound only on a sorted
-    table; the table the library and the kernels decode is strictly increasing, code 0 is 0 and
-    every code i >= 1 holds at least 2^((i - 160)/8) (the value it stands for)."""
+    table; the tables the library and the kernels decode are strictly increasing, code 0 is 0 and
+    every code i >= 1 holds at least 2^((i - 160)/8) (the fine table: 2^((i - 177)/16)), the value it stands for."""
     from fractions import Fraction
-    from fast.core.witness import LOG_STEPS, LOG_ZERO, _log_table
-    t = _log_table("cpu")
+    from fast.core.witness import FINE_STEPS, FINE_ZERO, LOG_STEPS, LOG_ZERO, _log_table
+    steps, zero = (FINE_STEPS, FINE_ZERO) if fine else (LOG_STEPS, LOG_ZERO)
+    t = _log_table("cpu", fine)
     assert float(t[0]) == 0.0 and bool((t[1:] > t[:-1]).all())
-    for i in range(1, 256):  # 2^(k/8) >= v  <=>  2^k >= v^8, in exact rationals
+    for i in range(1, 256):  # 2^(k/s) >= v  <=>  2^k >= v^s, in exact rationals
         v = Fraction(float(t[i]))
-        assert Fraction(2) ** (i - LOG_ZERO) <= v ** LOG_STEPS, i
+        assert Fraction(2) ** (i - zero) <= v ** steps, i

@@ -938,8 +938,8 @@ def paged_witness(key, kt, slots, rho, bands):
         raise ValueError(f"paged_witness: {bad} key rows hold NaN/Inf (exact or stored): nothing certified for them")
 
 
-def witness_codes(k, k_hat, bands, nonfinite="raise"):
-    """fast.core.witness.pack_witness(witness(k, k_hat, bands)): the uint8 log codes [..., NB] of the band witness of
+def witness_codes(k, k_hat, bands, nonfinite="raise", fine=False):
+    """fast.core.witness.pack_witness(witness(k, k_hat, bands), fine): the uint8 log codes [..., NB] of the band witness of
     keys k against k_hat ([..., D], same shape). fp32 CPU keys with the extension built: one C++ pass (csrc:
     kvcert_witness_codes), witness()'s operations with the W squares summed in band order (band_norms_up's error
     argument holds for any order, so the witness may differ from witness()'s by one fp32 ulp, and its code, rarely, by
@@ -959,7 +959,7 @@ def witness_codes(k, k_hat, bands, nonfinite="raise"):
         fin = (torch.isfinite(k).all(-1) & torch.isfinite(k_hat).all(-1))[..., None] if nonfinite == "top" else None
         if fin is not None:
             k, k_hat = k.masked_fill(~fin, 0.0), k_hat.masked_fill(~fin, 0.0)
-        codes = pack_witness(witness(k.reshape(1, 1, -1, D), k_hat.reshape(1, 1, -1, D), bands)).view(*k.shape[:-1], -1)
+        codes = pack_witness(witness(k.reshape(1, 1, -1, D), k_hat.reshape(1, 1, -1, D), bands), fine).view(*k.shape[:-1], -1)
         return codes if fin is None else codes.masked_fill(~fin, 255)
     bands = _checks.bands_tensor(bands, D).contiguous()
     NB, W = bands.shape
@@ -969,7 +969,7 @@ def witness_codes(k, k_hat, bands, nonfinite="raise"):
     out = torch.empty(*k.shape[:-1], NB, dtype=torch.uint8)
     k, k_hat = k.contiguous(), k_hat.contiguous()
     bad = _lib().kvcert_witness_codes(k.data_ptr(), k_hat.data_ptr(), n, D, bands.data_ptr(), NB, W, _band_margin(W),
-                                      log_table32().data_ptr(), out.data_ptr(), int(nonfinite == "top")) if n else 0
+                                      log_table32(fine).data_ptr(), out.data_ptr(), int(nonfinite == "top")) if n else 0
     if bad < 0:
         raise ValueError("witness_codes: the kernel refused the bands or the head size")
     if bad:
@@ -985,7 +985,8 @@ def page_write(k, v, slots, page, codec, bands=None):
     kvcert_page_write): each (token, KV head) row as fast.core.quant.quantize(row, codec, group_size=D) stores it, bit
     for bit (one fp16 scale per row, codes int8, or int4 two a byte with the even channel in the low nibble; fp8_e4m3:
     per_token_scale=True, one fp32 scale per row, the e4m3 bytes rounded to nearest even), and with bands [NB, W] the
-    key's witness codes against the key the page now decodes to (witness_codes' operations). page: a tensor
+    key's witness codes against the key the page now decodes to (witness_codes' operations, fine=True: the page's codes
+    are the fine log table's, fast.core.witness.FINE_STEPS). page: a tensor
     [num_blocks, Hkv, bs, C] (any dtype) whose (block, head) slabs of bs C elements are contiguous, each slab laid out
     as fast.integrations.vllm.packed_views says: key codes [bs, Wc], value codes [bs, Wc] (Wc = D, or D / 2 for int4),
     key scales [bs] and value scales [bs] (fp16 bits; fp8: fp32), witness [bs, NB]. slots [n] (< 0: skipped): token i goes
@@ -1025,7 +1026,7 @@ def page_write(k, v, slots, page, codec, bands=None):
     slots = slots.to(torch.int64).contiguous()
     got = _lib().kvcert_page_write(k.data_ptr(), v.data_ptr(), n, Hkv, D, slots.data_ptr(), nb, bs, pg.data_ptr(),
                                    pg.stride(0), pg.stride(1), bits, bt.data_ptr() if NB else None, NB, W,
-                                   _band_margin(W) if NB else 1.0, log_table32().data_ptr())
+                                   _band_margin(W) if NB else 1.0, log_table32(fine=True).data_ptr())
     if got == -1:
         raise ValueError(f"page_write: a slot lies past the page's {nb * bs} slots")
     if got < -1:

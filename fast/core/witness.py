@@ -19,6 +19,12 @@ IN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TOP_CODE = 255
 LOG_STEPS = 8
 LOG_ZERO = 160
+# The fine table (fine=True; vLLM's packed pages): 16 codes per octave (at most 4.4% above the true value) over a
+# narrower range, ~4.9e-4 to ~28 (code 1 = 2^-11, code 254 = 2^(77/16)): a key witness on SmolLM2 lies in
+# [1e-3, 4] for int8, int4 and fp8 e4m3 per-token scales. Below code 1 a witness is stored as code 1 (rounded up,
+# sound); above code 254 as the top code (vacuous, sound: a faulty quantizer's keys, which the gate repairs).
+FINE_STEPS = 16
+FINE_ZERO = 177
 
 
 def _use_triton(backend, x):
@@ -81,9 +87,10 @@ def witness_from_scales(qt, bands):
     return up32(up64(norms * (1 + 2 * gamma(ngroups + 4))))
 
 
-def _log_table(device):
+def _log_table(device, fine=False):
+    steps, zero = (FINE_STEPS, FINE_ZERO) if fine else (LOG_STEPS, LOG_ZERO)
     i = torch.arange(256, dtype=torch.float64)
-    table = up32(torch.exp2((i - LOG_ZERO) / LOG_STEPS) * (1 + 8 * U64))  # exp2: <= 2 ulp, 8 u64 covers it
+    table = up32(torch.exp2((i - zero) / steps) * (1 + 8 * U64))  # exp2: <= 2 ulp, 8 u64 covers it
     table[0] = 0.0
     table[TOP_CODE] = torch.finfo(torch.float32).max
     return table.to(device)
@@ -92,49 +99,51 @@ def _log_table(device):
 _TABLES = {}
 
 
-def _table(device):
-    """_log_table(device), built once per device, for pack / unpack (never written: they only read it)."""
-    key = str(device)
+def _table(device, fine=False):
+    """_log_table(device, fine), built once per device, for pack / unpack (never written: they only read it)."""
+    key = (str(device), bool(fine))
     if key not in _TABLES:
         with torch.inference_mode(False):  # a normal tensor even when first built inside inference mode (vLLM's
-            _TABLES[key] = _log_table(device)  # worker): its version counter lets the fused read keep its checks
+            _TABLES[key] = _log_table(device, fine)  # worker): its version counter lets the fused read keep its checks
     return _TABLES[key]
 
 
-_LUT32 = []
+_LUT32 = {}
 
 
-def log_table32():
+def log_table32(fine=False):
     """The log table as fp32 [256] contiguous on the CPU, built once: the fused C++ read decodes uint8 witness codes
-    with it (the transformers cache and the vLLM plugin pass the same tensor)."""
-    if not _LUT32:
+    with it (the transformers cache and the vLLM plugin pass the same tensor; vLLM's packed pages the fine one)."""
+    fine = bool(fine)
+    if fine not in _LUT32:
         with torch.inference_mode(False):
-            _LUT32.append(_table("cpu").to(torch.float32).contiguous())
-    return _LUT32[0]
+            _LUT32[fine] = _table("cpu", fine).to(torch.float32).contiguous()
+    return _LUT32[fine]
 
 
-def max_packable():
-    """The largest witness a regular code holds (code 254, ~3.4e3); above it: the reserved top code."""
-    return float(_log_table("cpu")[TOP_CODE - 1])
+def max_packable(fine=False):
+    """The largest witness a regular code holds (code 254: ~3.4e3, fine ~28); above it: the reserved top code."""
+    return float(_log_table("cpu", fine)[TOP_CODE - 1])
 
 
-def pack_witness(rho):
-    """uint8 log codes with unpack_witness(code) >= rho elementwise (1 byte per band).
+def pack_witness(rho, fine=False):
+    """uint8 log codes with unpack_witness(code, fine) >= rho elementwise (1 byte per band).
 
-    rho > max_packable() (~3.4e3) -> the reserved top code (the largest fp32: a vacuous, sound bound).
+    rho > max_packable(fine) -> the reserved top code (the largest fp32: a vacuous, sound bound).
     NaN, Inf or a negative rho -> ValueError (the witness computation failed: nothing is >= it).
+    fine: the fine table (16 codes per octave, narrower range; vLLM's packed pages).
     """
     _checks.tensor("rho", rho, dtypes=IN_DTYPES)
     _checks.nonneg_finite("rho", rho)
-    table = _table(rho.device)
+    table = _table(rho.device, fine)
     r = rho.to(torch.float32)
     return torch.searchsorted(table, r.contiguous(), right=False).to(torch.uint8)  # first table[i] >= r
 
 
-def unpack_witness(codes):
-    """fp32 witness from uint8 log codes (>= the packed rho)."""
+def unpack_witness(codes, fine=False):
+    """fp32 witness from uint8 log codes (>= the packed rho; fine: codes of the fine table)."""
     _checks.tensor("codes", codes, dtypes=(torch.uint8,))
-    return _table(codes.device)[codes.long()]
+    return _table(codes.device, fine)[codes.long()]
 
 
 def _check_scale(scale):

@@ -208,7 +208,7 @@ def packed_views(kv_cache, D, NB, codec="int8"):
     """The parts of the packed page (vLLM's cache tensor [num_blocks, Hkv, bs, C] at fp32, C = packed_row_bytes / 4;
     each (block, KV head) slab of bs C 4 bytes contiguous): per slab, one after the other, key codes [bs, W], value
     codes [bs, W] (int8, W = D; int4: two codes a byte, uint8, W = D / 2; fp8 e4m3 bytes as uint8, W = D), key scales
-    [bs, 1], value scales [bs, 1] (int8 and int4: fp16 bits as int16; fp8: fp32), witness [bs, NB] (uint8 log codes, fast.core.witness.pack_witness; NB = 0: none). Returns
+    [bs, 1], value scales [bs, 1] (int8 and int4: fp16 bits as int16; fp8: fp32), witness [bs, NB] (uint8 log codes of the fine table, fast.core.witness.pack_witness(fine=True); NB = 0: none). Returns
     (kc, vc, ks, vs, rho) views [num_blocks, Hkv, bs, X] into the cache: writing them writes vLLM's blocks, so block
     reuse, prefix caching, preemption and vLLM's block copies carry the scales and the witness with the codes."""
     nb, hkv, bs, c = kv_cache.shape
@@ -372,7 +372,7 @@ def write_page(key, value, kv_cache, slot_mapping, codec, bands, fault=None, fus
         return
     stored = page_decode(kcode, kscale.view(ks.dtype), codec)  # what the kernel decodes
     # a non-finite row: the top code (a vacuous witness); its NaN scale makes the read refuse it anyway
-    rc[blk, :, off] = cpu_fused.witness_codes(k, stored, bands, nonfinite="top")  # [n, Hkv, NB]
+    rc[blk, :, off] = cpu_fused.witness_codes(k, stored, bands, nonfinite="top", fine=True)  # [n, Hkv, NB]
 
 
 _ARANGE = torch.arange(0)
@@ -590,7 +590,7 @@ def _backend_classes():
         def _witness_of(self, kv_cache, blocks, N):
             """The witness [Hkv, N, NB] fp32 of one request's blocks."""
             if self.packed:
-                return unpack_witness(self._gather(self._packed(kv_cache)[4], blocks, N))
+                return unpack_witness(self._gather(self._packed(kv_cache)[4], blocks, N), fine=True)
             return self._gather(self.rho, blocks, N)
 
         def _write_packed(self, key, value, kv_cache, slot_mapping):
@@ -725,7 +725,7 @@ def _backend_classes():
             segs = self.__dict__.setdefault("_segs", {})  # one segment dict per batch size (its checks kept in it)
             s0 = segs[table.shape[0]] = cpu_fused.paged_seg(N, table=table, base=got[2], reuse=segs.get(table.shape[0]),
                                                             lens=lens)
-            lut = log_table32() if self.packed and certify else None
+            lut = log_table32(fine=True) if self.packed and certify else None
             return cpu_fused._run(q.contiguous(), qpos, [s0, self._empty_seg()], self.scale, self._bands64, 1, 1, certify,
                                   lut=lut, out=out)
 
