@@ -11,7 +11,7 @@ backend is replaced by KVCertBackend, whose impl
   preemption and recompute stay right);
   KVCERT_CODEC=int8 (and int4_per_token_head, fp8_per_token_head: PACKED) instead owns the cache bytes: KVCertBackend.customize_spec (vLLM's hook for a backend's
   own page packing) makes each (slot, KV head) of vLLM's paged cache hold int8 key and value codes, their fp16
-  scales and the witness's uint8 log codes (packed_row_bytes: 140 bytes for D = 64, 8 bands, against 512 for
+  scales and the witness's uint8 log codes of the fine table (packed_row_bytes: 140 bytes for D = 64, 8 bands, against 512 for
   K and V at fp32), so vLLM's block count, capacity and memory accounting see the compressed bytes, and
   do_kv_cache_update writes codes, scales and the witness of the exact key against the decoded code in place
   (packed_views); vLLM's own kernel never reads that page (KVCERT_CERTIFY=0 reads it with the fused kernel,
