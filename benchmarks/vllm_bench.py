@@ -209,7 +209,9 @@ def main(argv=None):
            "model": "SmolLM2-135M-Instruct (fp32)", "note": (
                "vLLM's CPU backend refuses fp8 KV caches without AVX-512/AMX; the plugin applies vLLM's fp8 cast "
                "(fast.core.quant fp8_*_rtz, = fast.integrations.vllm_fp8) and stores the decoded values in vLLM's fp32 paged cache, so speed "
-               "numbers compare certificate cost, not fp8 memory savings")}
+               "numbers compare certificate cost, not fp8 memory savings" if args.speed_codec == "fp8_e4m3" else
+               f"KVCERT_CODEC={args.speed_codec}: the plugin's packed page in vLLM's own cache (codes, scales and the "
+               "witness's log codes), read in place by the fused kernel, with and without certificates")}
     if args.speed_rounds < 1:
         raise SystemExit("--speed-rounds: at least 1")
     if args.speed_codec != "fp8_e4m3" and not args.speed_only:
