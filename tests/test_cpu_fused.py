@@ -362,17 +362,19 @@ def test_kappa_same_bits_as_scalar_and_bounds_the_band_norm(case):
 
 
 def test_log_table_is_the_grid_the_kernel_decodes():
-    """The AVX2 witness decode (mantissa permute + exponent add) applies to the shipped table, and the
+    """The AVX2 witness decode (mantissa permute + exponent add) applies to both shipped tables, and the
     check behind it rejects a table off the grid by one ulp (the kernel then gathers)."""
     from fast.core.witness import _log_table
-    lut = _log_table("cpu").to(torch.float32)
-    assert cpu_fused.lut_is_grid(lut)
-    bad = lut.clone()
-    bad[77] = torch.nextafter(bad[77], torch.tensor(1e9))
-    assert not cpu_fused.lut_is_grid(bad)
-    bad = lut.clone()
-    bad[0] = 1e-9
-    assert not cpu_fused.lut_is_grid(bad)
+    for fine in (False, True):  # the coarse table (8 codes per octave) and the fine one of vLLM's pages (16)
+        lut = _log_table("cpu", fine).to(torch.float32)
+        assert cpu_fused.lut_is_grid(lut)
+        for i in (77, 180):
+            bad = lut.clone()
+            bad[i] = torch.nextafter(bad[i], torch.tensor(1e9))
+            assert not cpu_fused.lut_is_grid(bad)
+        bad = lut.clone()
+        bad[0] = 1e-9
+        assert not cpu_fused.lut_is_grid(bad)
 
 
 def test_vector_build_is_the_vector_one():
@@ -386,14 +388,14 @@ SEGS = st.fixed_dictionaries({
     "seed": st.integers(0, 2**31 - 1), "B": st.integers(1, 2), "T": st.integers(1, 3), "Hkv": st.integers(1, 2),
     "G": st.integers(1, 3), "N0": st.integers(0, 45), "N1": st.integers(1, 12), "D": st.sampled_from([64, 80, 144]),
     "groups": st.sampled_from([1, 2, 8]), "codec": st.sampled_from(["int8", "int4"]), "holes": st.booleans(), "exact": st.booleans(), "certify": st.booleans(),
-    "mag": st.sampled_from([1e-3, 1.0, 30.0])})
+    "mag": st.sampled_from([1e-3, 1.0, 30.0]), "fine": st.booleans()})
 
 
 @settings(max_examples=30, deadline=None)
 @given(case=SEGS)
 def test_vector_paths_same_bits_as_scalar(case):
     """The AVX2 blocks of pass 1 (8 tokens, hadd transpose), the witness decode (byte transpose, codes 0 and exact
-    tokens zeroed), the 8-lane
+    tokens zeroed; the coarse log table or the fine one, 16 codes per octave), the 8-lane
     sums and the register accumulators of pass 2 run the scalar code's operations in its order: output and stats equal bit for bit, on two segments
     (int8 codes with packed witness + fp32 tail with positions), token counts off the block size,
     D beyond one 64-channel block, holes in the valid mask (NaN value scales there: never read), T causal rows."""
@@ -405,7 +407,7 @@ def test_vector_paths_same_bits_as_scalar(case):
     k, v = torch.randn(B, Hkv, N0, D, generator=g), torch.randn(B, Hkv, N0, D, generator=g)
     kq = fast.quantize(k, case["codec"], group_size=D // case["groups"])
     vq = fast.quantize(v, case["codec"], group_size=D // case["groups"])
-    rho = fast.pack_witness(fast.witness(k, fast.dequantize(kq), bands)).contiguous()
+    rho = fast.pack_witness(fast.witness(k, fast.dequantize(kq), bands), fine=case["fine"]).contiguous()
     if case["exact"] and N0:  # code 0 (rho = 0: a band stored exactly) at some (token, band) inside the blocks
         rho[torch.rand(rho.shape, generator=g) < 0.1] = 0
     valid = torch.ones(B, Hkv, N0, dtype=torch.uint8)
@@ -424,7 +426,8 @@ def test_vector_paths_same_bits_as_scalar(case):
     q = (torch.randn(B, T, H, D, generator=g) * case["mag"]).contiguous()
     qpos = (N0 + N1 - T + torch.arange(T, dtype=torch.int32)).view(1, T).expand(B, T).contiguous()
     from fast.core.witness import _log_table
-    lut = _log_table("cpu").to(torch.float32).contiguous()
+    lut = _log_table("cpu", case["fine"]).to(torch.float32).contiguous()
+    assert cpu_fused.lut_is_grid(lut)  # the AVX2 build decodes it in registers, the scalar build gathers
     b64 = bands.to(torch.int64).contiguous()
     got = [cpu_fused._run(q, qpos, [s0, s1], D ** -0.5, b64, case["groups"] if N0 else 1, case["groups"] if N0 else 1,
                           case["certify"], lut, scalar=sc) for sc in (False, True)]
@@ -1030,12 +1033,15 @@ def _paged_slab(g, B, Hkv, N, bs, row, fill):
 
 
 @settings(max_examples=30, deadline=None)
-@given(case=PAGED, ng=st.sampled_from([1, 2]), u8=st.booleans(), codec=st.sampled_from(["int8", "int4"]))
-def test_paged_codes_same_bits_as_contiguous(case, ng, u8, codec):
+@given(case=PAGED, ng=st.sampled_from([1, 2]), u8=st.booleans(), codec=st.sampled_from(["int8", "int4"]), fine=st.booleans())
+@example(case={"seed": 0, "B": 2, "T": 2, "Hkv": 2, "G": 2, "N": 70, "bs": 12, "D": 64, "transposed": False, "certify": True},
+         ng=1, u8=True, codec="int8", fine=True)  # the fine table decoded token by token (block size off 8)
+def test_paged_codes_same_bits_as_contiguous(case, ng, u8, codec, fine):
     """int8 codes, or packed int4 codes (two a byte), read in place from a paged cache packed as kvcert's vLLM cache
     packs them (per (block, head) one byte slab: key codes [bs, W], value codes [bs, W] (W = D, or D / 2 for int4), key
     and value fp16 scales [bs, ng], witness [bs, NB]): output and stats equal bit for bit the read of the same codes
-    laid out contiguously (seg), in the vector and the scalar build, with fp32 or uint8 log-code witnesses; int8 codes
+    laid out contiguously (seg), in the vector and the scalar build, with fp32 or uint8 log-code witnesses (the coarse
+    or the fine table: a block size off 8 decodes token by token, a contiguous read 8 tokens at once); int8 codes
     declared int4 are refused."""
     g = torch.Generator().manual_seed(case["seed"])
     B, T, Hkv, G, N, bs, D = (case[x] for x in ("B", "T", "Hkv", "G", "N", "bs", "D"))
@@ -1060,7 +1066,7 @@ def test_paged_codes_same_bits_as_contiguous(case, ng, u8, codec):
     q = torch.randn(B, T, H, D, generator=g).contiguous()
     qpos = (N - T + torch.arange(T, dtype=torch.int32)).view(1, T).expand(B, T).contiguous()
     b64 = fast.rope_bands(D, NB).to(torch.int64).contiguous()
-    lut = _log_table("cpu").to(torch.float32).contiguous() if u8 else None
+    lut = _log_table("cpu", fine).to(torch.float32).contiguous() if u8 else None
     flat = [cpu_fused.seg(Hkv, N, k=kq.codes, v=vq.codes, k_scales=kq.scales, v_scales=vq.scales, rho=rho), cpu_fused.seg(Hkv, 0)]
     paged = [cpu_fused.paged_seg(N, k=kc, v=vc, k_scales=ks, v_scales=vs, rho=rc, table=table, k_transposed=False,
                                  int4=codec == "int4"), cpu_fused.seg(Hkv, 0)]

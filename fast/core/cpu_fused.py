@@ -138,8 +138,9 @@ def exp_check(lo=-104.0, threads=None):
 
 
 def lut_is_grid(lut):
-    """True when the witness log table [256] fp32 has the power-grid form the AVX2 path decodes in registers
-    (csrc: lut_is_grid); else the kernel gathers from the table (same bits)."""
+    """True when the witness log table [256] fp32 has one of the power-grid forms the AVX2 path decodes in registers
+    (csrc: lut_grid; 8 codes per octave, the coarse table, or 16, the fine one); else the kernel gathers from the table
+    (same bits)."""
     lut = lut.to(torch.float32).contiguous()
     return bool(_lib().kvcert_lut_is_grid(lut.data_ptr()))
 

@@ -91,30 +91,35 @@ inline float kv_exp(float x) {
     return x >= X_MIN ? y : 0.0f;
 }
 
-// The witness log table (fast.core.witness._log_table) is a power grid: lut[0] = 0 and, for code i in [1, 254],
-// lut[i] = lut[160 + i % 8] * 2^(i / 8 - 20) exactly (every entry normal), so a code decodes in registers:
-// the 8-entry mantissa table by permute, the exponent added to the bits; the reserved top code 255 is the
-// largest fp32 (TOP_BITS: >= any finite witness), selected by a compare. lut_is_grid checks that every entry
-// is exactly what this decode gives (else the kernel uses the table gather); same bits either way.
+// The witness log tables (fast.core.witness._log_table) are power grids with S codes per octave: lut[0] = 0 and, for
+// code i in [1, 254], lut[i] = lut[Z0 + i % S] * 2^(i / S - Z0 / S) exactly (every entry normal), with S = 8, Z0 = 160
+// (the coarse table) or S = 16, Z0 = 176 (the fine table of vLLM's pages), so a code decodes in registers: the S-entry
+// mantissa table by permute (two 8-entry permutes and a blend on bit 3 for S = 16), the exponent added to the bits;
+// the reserved top code 255 is the largest fp32 (TOP_BITS: >= any finite witness), selected by a compare. lut_grid
+// checks that every entry is exactly what this decode gives (else the kernel uses the table gather); same bits
+// either way.
 constexpr uint32_t TOP_BITS = 0x7f7fffffu;
-inline uint32_t grid_bits(const float* lut, int i) {
+inline uint32_t grid_bits(const float* lut, int i, int S, int z0) {
     uint32_t m;
-    std::memcpy(&m, &lut[160 + i % 8], 4);
-    return m + ((uint32_t)(i / 8) << 23) - (20u << 23);  // unsigned, wrapping: the bits of m + (i / 8 - 20) 2^23
+    std::memcpy(&m, &lut[z0 + i % S], 4);
+    return m + ((uint32_t)(i / S) << 23) - ((uint32_t)(z0 / S) << 23);  // unsigned, wrapping: m + (i / S - z0 / S) 2^23
 }
 
-inline bool lut_is_grid(const float* lut) {
+inline bool lut_is_grid_of(const float* lut, int S, int z0) {
     if (!lut || lut[0] != 0.0f) return false;
     for (int i = 1; i < 255; ++i) {
         uint32_t t;
         std::memcpy(&t, &lut[i], 4);
         const uint32_t e = (t >> 23) & 0xffu;
-        if (e == 0 || e == 0xffu || t != grid_bits(lut, i)) return false;
+        if (e == 0 || e == 0xffu || t != grid_bits(lut, i, S, z0)) return false;
     }
     uint32_t top;
     std::memcpy(&top, &lut[255], 4);
     return top == TOP_BITS;
 }
+
+// S, the codes per octave of the grid lut is (8 or 16), or 0 when it is neither grid
+inline int lut_grid(const float* lut) { return lut_is_grid_of(lut, 8, 160) ? 8 : lut_is_grid_of(lut, 16, 176) ? 16 : 0; }
 
 inline float half_to_float(uint16_t h) {
     // exact IEEE binary16 -> binary32 (F16C's conversion where the build has it: exact too, the same values; a
@@ -1266,7 +1271,7 @@ void run_args(const Args& a) {
     if (a.certify) nan_q = kappa_rows(a.q, B * T * H, D, a.bands, NB, a.W, a.s64, a.band_margin, K64, KAPPA);
 
     // the witness table's shape, checked once per call (256 entries; not per work item)
-    [[maybe_unused]] const bool grid = a.certify && KVCERT_AVX2 && lut_is_grid(a.lut);
+    [[maybe_unused]] const int grid = a.certify && KVCERT_AVX2 ? lut_grid(a.lut) : 0;  // codes per octave, 0: gather
 
     // ---- pass 1: logits (reads the key codes once) ----
 #pragma omp parallel for schedule(static) num_threads(a.threads)
@@ -1470,21 +1475,34 @@ void run_args(const Args& a) {
             // below on the grid table with the 8 tokens' codes adjacent, else per token (grid decode or table
             // gather) and an 8 x 8 float transpose; the same values as the scalar loop after them
             if (sg.rho && sg.rho_u8 && NB == 8) {
-                const __m256 mant = _mm256_loadu_ps(a.lut + 160);
-                const __m256i bias = _mm256_set1_epi32(20), zero = _mm256_setzero_si256();
+                // the grid's mantissa table: S = 8, mant[m] = lut[160 + m] (both halves alike); S = 16, mant[m] =
+                // lut[176 + m], m < 8 in mlo, m >= 8 in mhi; a code's mantissa: the half bit 3 of ci picks (mhalf)
+                const int z0 = grid == 16 ? 176 : 160, lg = grid == 16 ? 4 : 3;
+                const __m256 mlo = _mm256_loadu_ps(a.lut + z0), mhi = _mm256_loadu_ps(a.lut + z0 + (grid == 16 ? 8 : 0));
+                const __m256i bias = _mm256_set1_epi32(z0 >> lg), zero = _mm256_setzero_si256();
                 const __m256i top = _mm256_set1_epi32((int)TOP_BITS), c255 = _mm256_set1_epi32(255);
+                const __m128i sh_e = _mm_cvtsi32_si128(lg), sh_m = _mm_cvtsi32_si128(23 - lg);
+                auto mhalf = [](__m256 lo, __m256 hi, __m256i ci) {  // lo[ci % 8] or hi[ci % 8] by bit 3 of ci
+                    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, ci), _mm256_permutevar8x32_ps(hi, ci),
+                                            _mm256_castsi256_ps(_mm256_slli_epi32(ci, 28)));
+                };
                 if (grid && (!sg.bs || sg.bs % 8 == 0)) {
                     // the 8 tokens' 64 code bytes are adjacent (j % 8 == 0, one block): transpose the bytes to
                     // band-major (pshufb pairs two tokens per 128-bit lane, 16-bit unpacks pair four, a dword
-                    // permute eight), then decode each band's 8 codes: lut[ci] = mant[ci % 8] 2^(ci / 8 - 20)
-                    // (the bits of mant[ci % 8] - 20 * 2^23 plus (ci / 8) * 2^23), 0 at code 0 and exact tokens
+                    // permute eight), then decode each band's 8 codes: lut[ci] = mant[ci % S] 2^(ci / S - z0 / S)
+                    // (the bits of mant[ci % S] - (z0 / S) 2^23 plus (ci / S) 2^23), 0 at code 0 and exact tokens
                     const __m256i pair = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
                                                           0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
                     const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-                    // code ci = 8 e + m: (ci << 20) = (e << 23) + (m << 20), so v = madj[m] + (ci << 20) with
-                    // madj[m] = bits(mant[m]) - (20 << 23) - (m << 20) (wrapping int32 arithmetic, exact)
-                    const __m256i madj = _mm256_sub_epi32(_mm256_sub_epi32(_mm256_castps_si256(mant), _mm256_slli_epi32(bias, 23)),
-                                                          _mm256_setr_epi32(0, 1 << 20, 2 << 20, 3 << 20, 4 << 20, 5 << 20, 6 << 20, 7 << 20));
+                    // code ci = S e + m: (ci << (23 - lg)) = (e << 23) + (m << (23 - lg)), so v = madj[m] + (ci << (23 - lg))
+                    // with madj[m] = bits(mant[m]) - ((z0 / S) << 23) - (m << (23 - lg)) (wrapping int32 arithmetic, exact)
+                    const __m256i m07 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+                    const __m256i m8 = _mm256_set1_epi32(grid == 16 ? 8 : 0);
+                    const __m256i madj_lo = _mm256_sub_epi32(_mm256_sub_epi32(_mm256_castps_si256(mlo), _mm256_slli_epi32(bias, 23)),
+                                                             _mm256_sll_epi32(m07, sh_m));
+                    const __m256i madj_hi = _mm256_sub_epi32(_mm256_sub_epi32(_mm256_castps_si256(mhi), _mm256_slli_epi32(bias, 23)),
+                                                             _mm256_sll_epi32(_mm256_add_epi32(m07, m8), sh_m));
+                    const __m256 alo = _mm256_castsi256_ps(madj_lo), ahi = _mm256_castsi256_ps(madj_hi);
                     for (; j + 8 <= std::min(j1, N0); j += 8) {
                         const uint8_t* rc = (const uint8_t*)sg.rho + row_off(sg, sg.r_sb, sg.r_sh, b, h, j, 8);
                         const __m256i p0 = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i*)rc), pair);         // t0 t1 | t2 t3
@@ -1502,7 +1520,7 @@ void run_args(const Args& a) {
                         for (int k = 0; k < 8; ++k) {
                             const __m128i w = qw[k / 2];
                             const __m256i ci = _mm256_cvtepu8_epi32(k % 2 ? _mm_unpackhi_epi64(w, w) : w);
-                            const __m256i v = _mm256_blendv_epi8(_mm256_add_epi32(_mm256_permutevar8x32_epi32(madj, ci), _mm256_slli_epi32(ci, 20)),
+                            const __m256i v = _mm256_blendv_epi8(_mm256_add_epi32(_mm256_castps_si256(mhalf(alo, ahi, ci)), _mm256_sll_epi32(ci, sh_m)),
                                                                  top, _mm256_cmpeq_epi32(ci, c255));
                             const __m256i z = sg.exact ? _mm256_or_si256(_mm256_cmpeq_epi32(ci, zero), exm) : _mm256_cmpeq_epi32(ci, zero);
                             _mm256_storeu_ps(dst + k * L, _mm256_castsi256_ps(_mm256_andnot_si256(z, v)));
@@ -1517,9 +1535,9 @@ void run_args(const Args& a) {
                         const __m256i ci = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)rc));
                         if (ex) {
                             x[t] = _mm256_setzero_ps();
-                        } else if (grid) {  // lut[ci] = mant[ci % 8] 2^(ci / 8 - 20); 0 at code 0, TOP_BITS at 255
-                            const __m256 m = _mm256_permutevar8x32_ps(mant, ci);  // uses the low 3 bits
-                            const __m256i e = _mm256_slli_epi32(_mm256_sub_epi32(_mm256_srli_epi32(ci, 3), bias), 23);
+                        } else if (grid) {  // lut[ci] = mant[ci % S] 2^(ci / S - z0 / S); 0 at code 0, TOP_BITS at 255
+                            const __m256 m = mhalf(mlo, mhi, ci);
+                            const __m256i e = _mm256_slli_epi32(_mm256_sub_epi32(_mm256_srl_epi32(ci, sh_e), bias), 23);
                             const __m256i v = _mm256_blendv_epi8(_mm256_add_epi32(_mm256_castps_si256(m), e), top, _mm256_cmpeq_epi32(ci, c255));
                             x[t] = _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_cmpeq_epi32(ci, zero), v));
                         } else {
@@ -1803,7 +1821,7 @@ int kvcert_fused_abi() { return 11; }
 
 int kvcert_fused_avx2() { return KVCERT_AVX2; }
 
-int kvcert_lut_is_grid(const float* lut) { return lut_is_grid(lut); }
+int kvcert_lut_is_grid(const float* lut) { return lut_grid(lut); }
 
 // the fp8 format whose bit-arithmetic decode the kernel uses for this table (fp8_format; 0: the table gather, or the
 // scalar build, which always gathers)
