@@ -40,7 +40,7 @@ proofs: coq
 	cd proofs && coq_makefile -f _CoqProject -o CoqMakefile >/dev/null && $(MAKE) --no-print-directory -f CoqMakefile
 
 test: install proofs
-	$(PY) -m pytest -q -p no:cacheprovider conformance tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 conformance tests
 
 # The fused C++ read's tests on an ASan + UBSan build (also part of `make test`: tests/test_sanitize.py).
 sanitize: install
