@@ -210,12 +210,16 @@ def run(model, dyn, first, scheme, steps, qpre):
     import fast.integrations.hf_meter as meter
     from fast.integrations.hf_cache import CertifiedCache
     meter.set_current(None)
-    cache = CertifiedCache(model.config, scheme, sinks=0, window=0, shadow=True, seed=0)
+    # the torch twin: the Recorder wraps hf_meter._certify, which the fused C++ read (the default) does not call
+    cache = CertifiedCache(model.config, scheme, sinks=0, window=0, shadow=True, seed=0, backend="torch")
     cache.fill_from(dyn)
     tok = first
     with Recorder(meter, qpre) as rec, torch.no_grad():
         for _ in range(steps):
             tok = model(input_ids=tok[:, None], past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1)
+    if len(rec.rows) != steps * model.config.num_hidden_layers:
+        raise RuntimeError(f"looseness: {len(rec.rows)} decode reads recorded, expected {steps} steps x "
+                           f"{model.config.num_hidden_layers} layers (a read bypassed hf_meter._certify)")
     for r in rec.rows:
         r["sub_violations"] = 0
     if rec.rows:

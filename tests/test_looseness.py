@@ -47,3 +47,27 @@ def test_query_in_the_span_is_pinned_and_the_residual_term_is_needed():
     mu, w = Recorder.subspace_interval(q, r, qpre, 3, 1.0, BANDS, G)
     eps = torch.einsum("hd,hnd->hn", q, r)
     assert float((eps - mu).abs().max()) > 1e-3 and float(w.min()) > 0
+
+
+def test_run_measures_every_decode_read():
+    """benchmarks.looseness.run records each (step, layer) decode read (the cache reads through the torch
+    twin, whose _certify the Recorder wraps; the default fused read would record nothing), and every level
+    it reports as a bound is >= the true TV from the exact keys."""
+    from transformers import DynamicCache
+
+    from benchmarks.looseness import probe_queries, run
+    from fast.integrations.hf_meter import enable
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.tiny_model import tiny_ids
+    torch.manual_seed(0)  # head size 64: the study's finer band partitions (32 bands) need D >= 64
+    model = enable(LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                                num_attention_heads=4, num_key_value_heads=2, head_dim=64)).eval())
+    dyn = DynamicCache(config=model.config)
+    first, qpre = probe_queries(model, tiny_ids(N=48)[0].tolist(), dyn)
+    rows, _, _ = run(model, dyn, first, "int8", 2, qpre)
+    assert len(rows) == 2 * 2
+    for r in rows:
+        assert (r["true"] > 0).all()
+        for level in ("box_cs_up", "forms_wit", "reported", "box_wit_up", "reported_box"):
+            assert (r[level] >= r["true"] * (1 - 1e-9)).all(), level
