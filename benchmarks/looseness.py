@@ -17,6 +17,15 @@ box_*_up is the sound upper bound of fast.core.box (proofs/Box.v), box_*_lo a lo
 (best prefix set of the greedy orderings; NOT a bound). "box_wit_up" is the box bound at the stored
 witness: what the reported min would become with the box form (before fp margins).
 
+A candidate form of the box, measured here (box_wit_bin_up): the box at the stored witness with every c_j
+rounded up to the float grid (1 + i/16) 2^e (grid_up: a fused read can bin an fp32 by its exponent and top 4
+mantissa bits) and the tokens of one grid value merged into one pseudo-token (their p~ summed). Widening
+|eps_j| <= c_j to the grid value keeps Box.v's hypothesis, and e(u, lambda) = u - lambda u B + sum_j (lambda w_j(u)
+- p~_j)^+ is, for tokens of equal c, linear in p~_j: the same sum over the pseudo-tokens. So the box over a
+few dozen pseudo-tokens (a histogram of c the read can fill in its pass over the tokens) bounds TV; each c_j
+moves up by less than 1/16 of its octave, so the bound moves by a few percent where c is small (c enters e
+through e^(+-c)), more where c is large.
+
 A candidate witness, measured here in an idealised fp64 form (the library's, with its rounding and int8
 coefficients, is fast.core.subspace / CertifiedCache(subspace=m)): the query subspace. Per (layer, KV head) U
 [m, D] holds the top m right singular vectors of the request's own last QWIN prefill queries of the
@@ -46,9 +55,10 @@ SCHEMES = ("int8", "int4", "fp8_e4m3", "fp8_e5m2", "kivi2")
 COVER = 0.2
 LEVELS = ("true", "box_abs_lo", "box_abs_up", "box_cs_lo", "box_cs_up", "forms_cs", "forms_wit", "reported",
           "hoelder_forms", "hoelder_box_up", "box_wit_up", "min_cs_hoelder_box_up", "box_cs16_up", "box_cs32_up",
-          "reported_box", "sub2_box_up", "sub2_forms", "sub8_box_up", "sub8_forms")
+          "reported_box", "sub2_box_up", "sub2_forms", "sub8_box_up", "sub8_forms", "box_wit_bin_up")
 SUBSPACE = (2, 8)  # m: coefficients per token and KV head of the query-subspace witness
 QWIN = 128  # prefill queries (the last QWIN positions) that fix the subspace
+BIN_STEPS = 16  # box_wit_bin_up: mantissa steps per octave of the grid the witness's c_j is rounded up to
 FINER = (16, 32)  # finer RoPE band partitions (exact ||r_b||): NB bytes of log codes per token and KV head
 CHAIN = (("signs", "box_abs_up", "true"), ("cauchy_schwarz", "box_cs_up", "box_abs_up"),
          ("forms", "forms_cs", "box_cs_up"), ("witness_code", "forms_wit", "forms_cs"),
@@ -61,6 +71,26 @@ def forms_exact(p, c):
     B = (p * torch.exp(-c)).sum(-1)
     f = torch.minimum(torch.minimum(torch.tanh(c.amax(-1) / 2), 1 - B / A), (A * A - 1) / 2)
     return f.clamp(0, 1)
+
+
+def grid_up(c, steps=BIN_STEPS):
+    """c >= 0 fp64 rounded up to the float grid (1 + i/steps) 2^e, exactly (0 stays 0)."""
+    m, e = torch.frexp(c)  # c = m 2^e, m in [1/2, 1)
+    return torch.ldexp(1 + torch.ceil((2 * m - 1) * steps) / steps, e - 1)
+
+
+def binned_box_up(p, c, steps=BIN_STEPS):
+    """(upper [R], pseudo-tokens [R]): box_bounds over one pseudo-token per grid value of c (p summed), the
+    box of the tokens with c rounded up to the grid (module doc). p, c: [R, n] fp64."""
+    from fast.core.box import box_bounds
+    g = grid_up(c, steps)
+    groups = [torch.unique(g[r], return_inverse=True) for r in range(len(g))]
+    M = max(len(u) for u, _ in groups)
+    P, C = torch.zeros(len(g), M, dtype=p.dtype), torch.zeros(len(g), M, dtype=p.dtype)
+    for r, (u, inv) in enumerate(groups):
+        P[r].index_add_(0, inv, p[r])
+        C[r, :len(u)] = u
+    return box_bounds(P, -C, C)[1], np.array([len(u) for u, _ in groups])
 
 
 def per_element_bound(layer, N):
@@ -161,8 +191,9 @@ class Recorder:
                "reported": cert["min"][0].double(), "hoelder_forms": forms_exact(p_s, cs[3]),
                "hoelder_box_up": up[3], "box_wit_up": up[2], "min_cs_hoelder_box_up": up[4],
                "box_cs16_up": up[5], "box_cs32_up": up[6], "reported_box": boxed["min"][0].double()} | sub
+        row["box_wit_bin_up"], bins = binned_box_up(p_s, cs[2])
         self.rows.append({k: v.numpy().copy() for k, v in row.items()} | {
-            "layer": np.full(H, layer.layer_idx), "hoelder_violations": hoelder_violations,
+            "layer": np.full(H, layer.layer_idx), "hoelder_violations": hoelder_violations, "bins": bins, "tokens": np.full(H, N),
             "cs_over_abs_violations": int((cs[1] < cs[0] * (1 - 1e-9) - 1e-12).sum())})
 
 
@@ -271,6 +302,14 @@ def summarize(rows, hkv):
     out["factors"]["hoelder_over_cs_forms"] = float(np.median(a["hoelder_forms"][live] / a["forms_cs"][live]))
     for k in ("min_cs_hoelder_box_up", "box_cs16_up", "box_cs32_up", "hoelder_box_up", "sub2_box_up", "sub8_box_up"):
         out["factors"][f"{k}_over_box_cs_up"] = float(np.median(a[k][live] / a["box_cs_up"][live]))
+    ratio = a["box_wit_bin_up"][live] / a["box_wit_up"][live]
+    bins = np.concatenate([r["bins"] for r in rows])
+    out["binned_box"] = {"violations": int((a["true"] > a["box_wit_bin_up"]).sum()), "grid_steps_per_octave": BIN_STEPS,
+                         "over_box_wit_up": {"median": float(np.median(ratio)), "p99": float(np.percentile(ratio, 99)),
+                                             "min": float(ratio.min()), "max": float(ratio.max())},
+                         "pseudo_tokens": {"median": float(np.median(bins)), "max": int(bins.max())},
+                         "tokens": {"median": float(np.median(np.concatenate([r["tokens"] for r in rows]))),
+                                    "max": int(max(r["tokens"].max() for r in rows))}}
     out["factors"]["box_wit_up_over_reported"] = float(np.median(a["box_wit_up"][live] / rep[live]))
     out["factors"]["reported_box_over_reported"] = {"median": float(np.median(a["reported_box"][live] / rep[live])),
                                                     "p10": float(np.percentile(a["reported_box"][live] / rep[live], 10))}
@@ -310,8 +349,24 @@ def readme_tables(res, doc):
           "header": ["scheme"] + [n for n, _ in lv], "rows": []}
     for s, r in res.items():
         t3["rows"].append([s] + [f"{r['coverage'][k]:.1%}" for _, k in lv])
+    tables = [t1, t2, t3]
+    if all("binned_box" in r for r in res.values()):
+        t5 = {"title": f"The box at the stored witness over a histogram of c (a candidate for the fused read): c_j rounded up "
+                       f"to the float grid with {BIN_STEPS} mantissa steps per octave, tokens of one grid value merged "
+                       "(module doc); same reads, fp64 without margins; coverage at 0.2 / median bound over true TV",
+              "header": ["scheme", "violations (binned)", "forms at the witness", "box at the witness (N tokens)",
+                         "box over the histogram", "histogram / box: median [max]", "pseudo-tokens per read: median [max]",
+                         "tokens per read: median [max]"], "rows": []}
+        for s, r in res.items():
+            b = r["binned_box"]
+            t5["rows"].append([s, b["violations"]] + [f"{r['coverage'][k]:.1%} / {r['median_over_true'][k]:.3g}x"
+                                                      for k in ("forms_wit", "box_wit_up", "box_wit_bin_up")]
+                              + [f"{b['over_box_wit_up']['median']:.4f} [{b['over_box_wit_up']['max']:.4f}]",
+                                 f"{b['pseudo_tokens']['median']:.0f} [{b['pseudo_tokens']['max']}]",
+                                 f"{b['tokens']['median']:.0f} [{b['tokens']['max']}]"])
+        tables.append(t5)
     if not all("sub2_box_up" in r["coverage"] for r in res.values()):
-        return [t1, t2, t3]
+        return tables
     sv = (("band CS, box (8 B)", "box_cs_up"), ("subspace m=2, forms (12 B)", "sub2_forms"),
           ("subspace m=2, box (12 B)", "sub2_box_up"), ("subspace m=8, forms (24 B)", "sub8_forms"),
           ("subspace m=8, box (24 B)", "sub8_box_up"), ("exact abs(eps), box (floor)", "box_abs_up"))
@@ -324,7 +379,7 @@ def readme_tables(res, doc):
           "header": ["scheme"] + [n for n, _ in sv], "rows": []}
     for s, r in res.items():
         t4["rows"].append([s] + [f"{r['coverage'][k]:.1%} / {r['median_over_true'][k]:.3g}x" for _, k in sv])
-    return [t1, t2, t3, t4]
+    return tables + [t4]
 
 
 def plot(res, path):

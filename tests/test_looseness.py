@@ -69,5 +69,35 @@ def test_run_measures_every_decode_read():
     assert len(rows) == 2 * 2
     for r in rows:
         assert (r["true"] > 0).all()
-        for level in ("box_cs_up", "forms_wit", "reported", "box_wit_up", "reported_box"):
+        for level in ("box_cs_up", "forms_wit", "reported", "box_wit_up", "reported_box", "box_wit_bin_up"):
             assert (r[level] >= r["true"] * (1 - 1e-9)).all(), level
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(0, 1e6), st.sampled_from([4, 16]))
+def test_grid_up_is_the_next_grid_value(c, steps):
+    """grid_up(c) is the least (1 + i/steps) 2^e >= c (0 for 0): above c by less than a 1/steps step of c's octave."""
+    from benchmarks.looseness import grid_up
+    g = float(grid_up(torch.tensor([c], dtype=torch.float64), steps))
+    assert g >= c and (g == 0) == (c == 0)
+    if c > 0:
+        m, e = torch.frexp(torch.tensor(g, dtype=torch.float64))
+        assert float(m * 2 * steps) == int(m * 2 * steps)          # on the grid
+        assert g - c <= 2.0 ** (int(torch.frexp(torch.tensor(c, dtype=torch.float64))[1]) - 1) / steps  # one step at most
+
+
+def test_binned_box_merges_equal_c():
+    """property: tokens whose c rounds to one grid value give the box of their pseudo-token (p summed): the same
+    bound as the tokens with c already on the grid, and above the true TV of a sampled eps in the box."""
+    from benchmarks.looseness import binned_box_up, grid_up
+    from fast.core.box import box_bounds
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(6, 200, generator=g, dtype=torch.float64) * 3, -1)
+    c = torch.rand(6, 200, generator=g, dtype=torch.float64) * 0.3
+    up, bins = binned_box_up(p, c)
+    assert (bins < 200).all() and (bins > 1).all()
+    ref = box_bounds(p, -grid_up(c), grid_up(c))[1]
+    assert torch.allclose(up, ref, rtol=1e-6)
+    eps = (2 * torch.rand(6, 200, generator=g, dtype=torch.float64) - 1) * c
+    q = torch.softmax(torch.log(p) + eps, -1)
+    assert (0.5 * (q - p).abs().sum(-1) <= up).all()
