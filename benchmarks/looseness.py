@@ -21,7 +21,8 @@ A candidate form of the box, measured here (box_wit_bin_up): the box at the stor
 rounded up to the float grid (1 + i/16) 2^e (grid_up: a fused read can bin an fp32 by its exponent and top 4
 mantissa bits) and the tokens of one grid value merged into one pseudo-token (their p~ summed). Widening
 |eps_j| <= c_j to the grid value keeps Box.v's hypothesis, and e(u, lambda) = u - lambda u B + sum_j (lambda w_j(u)
-- p~_j)^+ is, for tokens of equal c, linear in p~_j: the same sum over the pseudo-tokens. So the box over a
+- p~_j)^+ is, for tokens of equal c, linear in p~_j: the same sum over the pseudo-tokens (spec T9c, proofs/BoxMerge.v
+box_e_merge, with enclosures of the bins' sums). So the box over a
 few dozen pseudo-tokens (a histogram of c the read can fill in its pass over the tokens) bounds TV; each c_j
 moves up by less than 1/16 of its octave, so the bound moves by a few percent where c is small (c enters e
 through e^(+-c)), more where c is large.

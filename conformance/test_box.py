@@ -81,3 +81,70 @@ def test_bad_grid_is_an_error():
         except ValueError:
             continue
         raise AssertionError(f"grid {u0}, {u1} accepted")
+
+
+MERGE = st.fixed_dictionaries({"seed": st.integers(0, 2**31 - 1), "n": st.integers(1, 12), "M": st.integers(1, 4),
+                               "logit": st.sampled_from([0.0, 1.0, 4.0]), "width": st.sampled_from([1e-4, 0.05, 0.5, 3.0]),
+                               "slack": st.sampled_from([0.0, 1e-3])})
+
+
+def merged_case(case):
+    """Tokens in bins that share their (symmetric or not) interval, q = softmax, ql/qh an enclosure."""
+    rng = random.Random(case["seed"])
+    n, M = case["n"], min(case["M"], case["n"])
+    bins = list(range(M)) + [rng.randrange(M) for _ in range(n - M)]  # every bin has a member
+    rng.shuffle(bins)
+    iv = [sorted(rng.uniform(-1, 1) * case["width"] for _ in range(2)) for _ in range(M)]
+    if rng.random() < 0.5:
+        iv = [(-abs(b), abs(b)) for _, b in iv]  # the band witness's symmetric boxes
+    lo, hi = [mpf(iv[m][0]) for m in bins], [mpf(iv[m][1]) for m in bins]
+    q = sm.softmax([rng.gauss(0, 1) * case["logit"] for _ in range(n)])
+    s = mpf(case["slack"])
+    return rng, bins, q, lo, hi, [v * (1 - s) for v in q], [v * (1 + s) for v in q]
+
+
+@workdps(DPS)
+def check_merged_bins_bound_the_tokens(case):
+    rng, bins, q, lo, hi, ql, qh = merged_case(case)
+    QL, QH, LO, HI = ref.merge_bins(ql, qh, lo, hi, bins)
+    QL = [v * (1 - mpf(case["slack"])) for v in QL]  # any lower / upper bound of the bin sums (T9c)
+    QH = [v * (1 + mpf(case["slack"])) for v in QH]
+    for _ in range(6):
+        u, lam = mpf(rng.random()), mpf(rng.choice([0.0, 0.5, 1.0, 2.0])) * rng.random() * 3
+        tok, binned = ref.box_e(ql, qh, lo, hi, u, lam), ref.box_e(QL, QH, LO, HI, u, lam)
+        expect(le(tok, binned), check_merged_bins_bound_the_tokens, case, f"box_e over bins {binned} < over tokens {tok}")
+        if case["slack"] == 0:
+            expect(abs(tok - binned) < mpf(10) ** -40, check_merged_bins_bound_the_tokens, case, "exact sums: not equal")
+    pts = sorted({0.0, 1.0} | {rng.random() for _ in range(6)})
+    cands = [[mpf(rng.random() * 3)] for _ in pts[:-1]]
+    bound = ref.box_grid_bound(QL, QH, LO, HI, pts[:-1], pts[1:], cands)
+    for _ in range(4):  # T9b over the bins bounds the TV of shifts inside the tokens' own intervals
+        eps = [a + (b - a) * mpf(rng.random()) for a, b in zip(lo, hi)]
+        w = [v * exp(e) for v, e in zip(q, eps)]
+        truth = fsum(abs(x / fsum(w) - v) for x, v in zip(w, q)) / 2
+        expect(le(truth, bound), check_merged_bins_bound_the_tokens, case, f"true TV {truth} > bound over bins {bound}")
+
+
+@settings(max_examples=120, deadline=None)
+@given(case=MERGE)
+def test_merged_bins_bound_the_tokens(case):
+    """T9c (proofs/BoxMerge.v box_e_merge): box_e over bins (sums of the members' ql and qh, their shared interval)
+    is >= box_e over the tokens (= with exact sums), and the grid bound over the bins holds against the true TV."""
+    check_merged_bins_bound_the_tokens(case)
+
+
+def test_merged_bins_need_the_sums():
+    """A bin's ql, qh must be the members' sums: their min and max in place of them (a mutant) fall below box_e over
+    the tokens;
+    tokens of one bin with different intervals are refused."""
+    q = sm.softmax([0.0, 0.1, 0.2])
+    lo, hi, bins = [mpf(-1)] * 3, [mpf(1)] * 3, [0, 0, 0]
+    QL, QH, LO, HI = ref.merge_bins(q, q, lo, hi, bins)
+    tok = ref.box_e(q, q, lo, hi, "0.3", 2)
+    assert abs(ref.box_e(QL, QH, LO, HI, "0.3", 2) - tok) < mpf(10) ** -40
+    assert ref.box_e([min(q)], [max(q)], LO, HI, "0.3", 2) < tok  # the members' min and max instead of sums
+    try:
+        ref.merge_bins(q, q, [mpf(-1), mpf(-1), mpf(-2)], hi, bins)
+    except ValueError:
+        return
+    raise AssertionError("a bin whose tokens' intervals differ was merged")

@@ -41,6 +41,26 @@ def box_e(ql, qh, lo, hi, u, lam):
 
 
 @workdps(DPS)
+def merge_bins(ql, qh, lo, hi, bins):
+    """(QL, QH, LO, HI) over the bins (proofs/BoxMerge.v box_e_merge): bin m's enclosure is the sum of its tokens'
+    ql and of their qh, its interval the one they share (ValueError if two members' intervals differ). bins[j] in
+    0..M-1 names token j's bin; every bin has a member. box_e over the bins is then >= box_e over the tokens."""
+    ql, qh, lo, hi = (_row(v, n) for v, n in ((ql, "ql"), (qh, "qh"), (lo, "lo"), (hi, "hi")))
+    _check(ql, qh, lo, hi)
+    if len(bins) != len(ql) or any(not isinstance(m, int) or m < 0 for m in bins):
+        raise ValueError("bins: one bin index >= 0 per token")
+    M = max(bins) + 1
+    QL, QH, LO, HI = [mpf(0)] * M, [mpf(0)] * M, [None] * M, [None] * M
+    for a, b, l, h, m in zip(ql, qh, lo, hi, bins):
+        if LO[m] is not None and (LO[m], HI[m]) != (l, h):
+            raise ValueError(f"bin {m}: its tokens' intervals differ")
+        QL[m], QH[m], LO[m], HI[m] = QL[m] + a, QH[m] + b, l, h
+    if any(v is None for v in LO):
+        raise ValueError("bins: every bin 0..M-1 needs a token")
+    return QL, QH, LO, HI
+
+
+@workdps(DPS)
 def box_grid_bound(ql, qh, lo, hi, u0, u1, cands):
     """max_k min_{lam in cands[k] + [0]} max(box_e(u0_k, lam), box_e(u1_k, lam)), the bound of
     proofs/Box.v tv_le_box_grid on intervals [u0_k, u1_k] that chain from 0 to 1 (ValueError otherwise)."""
