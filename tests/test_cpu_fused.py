@@ -396,7 +396,8 @@ SEGS = st.fixed_dictionaries({
 def test_vector_paths_same_bits_as_scalar(case):
     """The AVX2 blocks of pass 1 (8 tokens, hadd transpose), the witness decode (byte transpose, codes 0 and exact
     tokens zeroed; the coarse log table or the fine one, 16 codes per octave), the 8-lane
-    sums and the register accumulators of pass 2 run the scalar code's operations in its order: output and stats equal bit for bit, on two segments
+    sums and the register accumulators of pass 2 run the scalar code's operations in its order: output, stats and the
+    box form's histogram of c equal bit for bit, on two segments
     (int8 codes with packed witness + fp32 tail with positions), token counts off the block size,
     D beyond one 64-channel block, holes in the valid mask (NaN value scales there: never read), T causal rows."""
     g = torch.Generator().manual_seed(case["seed"])
@@ -429,11 +430,15 @@ def test_vector_paths_same_bits_as_scalar(case):
     lut = _log_table("cpu", case["fine"]).to(torch.float32).contiguous()
     assert cpu_fused.lut_is_grid(lut)  # the AVX2 build decodes it in registers, the scalar build gathers
     b64 = bands.to(torch.int64).contiguous()
+    from fast.core.box import HIST_K
+    hists = [torch.full((B, T, H, 2 * HIST_K), math.nan, dtype=torch.float64) if case["certify"] else None for _ in range(2)]
     got = [cpu_fused._run(q, qpos, [s0, s1], D ** -0.5, b64, case["groups"] if N0 else 1, case["groups"] if N0 else 1,
-                          case["certify"], lut, scalar=sc) for sc in (False, True)]
+                          case["certify"], lut, scalar=sc, hist=hists[sc]) for sc in (False, True)]
     rep = f"case {json.dumps(case)}"
     assert torch.equal(got[0][0], got[1][0]), "output differs: " + rep
     assert torch.equal(got[0][1], got[1][1]), "stats differ: " + rep
+    if case["certify"]:  # the box form's histogram of c (csrc hist_add): every entry written, the same bits
+        assert torch.equal(hists[0], hists[1]), "histograms differ: " + rep
 
 
 PAGED = st.fixed_dictionaries({

@@ -362,9 +362,9 @@ def test_vllm_int8_box_form_is_sound_and_tighter(tiny):
     """property vs the exact side store: KVCERT_CODEC=int8 with and without the box form (KVCERT_BOX),
     chunked prefill and preemption: 0 violations on every row of both engines, and on layer 0's prompt rows
     (the same keys in both) the box form's bound is never above the closed forms' and lower on the whole.
-    A box engine without shadow mode (gate certified, each request's tau 1: nothing repaired) serves
-    exactly the shadow box engine's tokens: the twin's output is what is served (a read that left vLLM's
-    output buffer unwritten would fail here)."""
+    The box engines read through the fused kernel, the box over each row's histogram of c (spec T9c). A box
+    engine without shadow mode (gate certified, each request's tau 1: nothing repaired) serves exactly the shadow box engine's tokens (a read that left vLLM's output buffer
+    unwritten would fail here)."""
     from vllm import SamplingParams
     runs = {}
     for box in (False, True):
@@ -466,6 +466,8 @@ def test_vllm_packed_page_owns_the_cache_bytes_and_is_sound(tiny, codec, page_by
     ({"gate": "certfied:0.2"}, "gate='certfied:0.2': unknown gate"),
     ({"fault": "key_scale:-1"}, "fault='key_scale:-1': expected none or key_scale:F"),
     ({"records": -1}, "records='-1': expected an integer >= 0"),
+    ({"box": True, "box_above": 1.5}, "box_above='1.5': expected a number in [0, 1)"),
+    ({"box": True, "box_above": "nan"}, "box_above='nan': expected a number in [0, 1)"),
 ])
 def test_vllm_bad_configuration_fails_at_startup(tiny, kw, msg):
     with pytest.raises(ValueError) as e:

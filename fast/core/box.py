@@ -21,11 +21,13 @@ certificate, every rounding outward) runs on CPU in the C++ twin csrc/cpu_fused.
 same algorithm and margins, tests/test_box_cpp.py); the torch code below is its readable twin.
 """
 
+import math
+
 import numpy as np
 import torch
 
 from fast.core import _checks, native
-from fast.core.certify import EXP_EPS, SATURATE_C, U64, down64, gamma, up32, up64
+from fast.core.certify import EXP_EPS, SATURATE_C, U32, U64, down64, gamma, up32, up64
 from fast.core.threads import read_threads
 
 GRID0 = 33   # initial levels: uniform in [0, 1]
@@ -266,6 +268,26 @@ def box_tv_bound(p_tilde, c, *, return_grid=False):
     return out
 
 
+TINY32 = 2.0 ** -126
+
+
+def _exp_enclosure(e, D):
+    """(e_up, e_dn) fp64 torch, e^theta rounded up and e^-theta rounded down, theta = u32 T + 2 EXP32_EPS (T =
+    min(2e / ((D + 4) u32), 88)): a served weight w_j = fl(exp(fl(x^_j - m))) has e^{x^_j - m} within w_j e^{+-theta}
+    +- 2^-126 (box_form_of_read). e: numpy fp64, the logit rounding bound."""
+    from fast.core.certify import EXP32_EPS, _up
+    theta = torch.from_numpy(_up(U32 * np.minimum(2 * e / ((D + 4) * U32), 88.0) + 2 * EXP32_EPS))
+    return up64(torch.exp(theta) * (1 + EXP_EPS)), down64(torch.exp(-theta) * (1 - EXP_EPS))
+
+
+def _z_enclosure(W, N, e_up, e_dn):
+    """(z_dn, z_up): bounds of sum_j e^{x^_j - m} from W, the fp64 sum of the N served weights (within 2 gamma_N)."""
+    g = 2 * gamma(N)
+    z_dn = down64(down64(down64(W * (1 - g)) * e_dn) - N * TINY32)
+    z_up = up64(up64(up64(W * (1 + g)) * e_up) + N * TINY32)
+    return z_dn, z_up
+
+
 def box_form_of_read(cert, w, c, e, vmask, D, lo=None, hi=None):
     """Add the box form to a decode certificate of fast.core.attention.attention_torch (opt-in):
     cert["box"] [B, H] fp32 and cert["min"] = min(min, box). Like every other form, the box carries r_w
@@ -282,7 +304,7 @@ def box_form_of_read(cert, w, c, e, vmask, D, lo=None, hi=None):
     numpy fp64, vmask: [B, 1 or H, N] bool or None. Signed intervals (the query-subspace witness,
     fast.core.attention.subspace_forms): lo, hi [B, H, N] fp64 with lo_j <= x_j - x~_j <= hi_j in place of
     -c, c (c unused); the box is then [lo - d, hi + d], rounded outward."""
-    from fast.core.certify import EXP32_EPS, U32, _up, weight_rounding
+    from fast.core.certify import _up, weight_rounding
     B, H, N = w.shape
     e = np.asarray(e, dtype=np.float64)
     d = torch.from_numpy(_up(2 * e + 2.0 ** -149)).to(w.device).view(B, H, 1)
@@ -292,15 +314,10 @@ def box_form_of_read(cert, w, c, e, vmask, D, lo=None, hi=None):
         lo = -hi
     else:
         lo, hi = down64(lo - d), up64(hi + d)
-    theta = torch.from_numpy(_up(U32 * np.minimum(2 * e / ((D + 4) * U32), 88.0) + 2 * EXP32_EPS)).to(w.device).view(B, H, 1)
-    e_up = up64(torch.exp(theta) * (1 + EXP_EPS))
-    e_dn = down64(torch.exp(-theta) * (1 - EXP_EPS))
-    tiny = 2.0 ** -126
+    e_up, e_dn = (t.to(w.device).view(B, H, 1) for t in _exp_enclosure(e, D))
     w64 = w.to(torch.float64)
-    W = w64.sum(-1, keepdim=True)
-    g = 2 * gamma(N)
-    z_dn = down64(down64(down64(W * (1 - g)) * e_dn) - N * tiny)
-    z_up = up64(up64(up64(W * (1 + g)) * e_up) + N * tiny)
+    z_dn, z_up = _z_enclosure(w64.sum(-1, keepdim=True), N, e_up, e_dn)
+    tiny = TINY32
     q_hi = up64(up64(up64(w64 * e_up) + tiny) / z_dn)
     q_lo = down64(down64(down64(w64 * e_dn) - tiny).clamp(min=0) / z_up).clamp(min=0)  # p >= 0: 0 is a lower bound
     if vmask is not None:
@@ -315,5 +332,67 @@ def box_form_of_read(cert, w, c, e, vmask, D, lo=None, hi=None):
     # + r_w: the TV to the fp32 weights actually served, as every other form (proofs/Served.v tv_served_le)
     r_w = torch.from_numpy(weight_rounding(e, N, D)).to(w.device).reshape(B * H)
     cert["box"] = up32(up64(bound + r_w).clamp(max=1.0)).view(B, H)
+    cert["min"] = torch.minimum(cert["min"], cert["box"])
+    return cert
+
+
+# ---- the box form over a histogram of c (spec T9c): the fused read's box ----
+
+HIST_KEY0, HIST_KEY1 = 107 << 4, 137 << 4  # csrc hist_add: the grid values 2^-20 and 2^10 (fp32 bits >> 19)
+HIST_K = HIST_KEY1 - HIST_KEY0 + 2         # the grid values from 2^-20 to 2^10, then the overflow bin
+
+
+def hist_grid():
+    """[HIST_K] fp64: bin k's grid value, the fp32 with bits (HIST_KEY0 + k) << 19 (every token of the bin has c^ <=
+    it: csrc hist_add rounds c^ up to it), the overflow bin's +inf."""
+    keys = torch.arange(HIST_KEY0, HIST_KEY1 + 1, dtype=torch.int32) << 19
+    return torch.cat([keys.view(torch.float32).double(), torch.tensor([math.inf], dtype=torch.float64)])
+
+
+def hist_bins(hist, stats, NB, N, D):
+    """The pseudo-tokens of hist_box (one per occupied bin, then empty ones: q = 0, interval [0, 0], nothing in box_e)
+    for R rows: (q_lo, q_hi, lo, hi) [R, M] fp64 contiguous, M the most occupied bins of a row (module doc of
+    hist_box). hist [R, 2 HIST_K], stats [R, 5] fp64."""
+    Wk, nk = hist[:, :HIST_K], hist[:, HIST_K:]
+    e = stats[:, 4].numpy()
+    e_up, e_dn = (t.view(-1, 1) for t in _exp_enclosure(e, D))
+    z_dn, z_up = _z_enclosure(stats[:, :1], N, e_up, e_dn)
+    g = 2 * gamma(N)
+    q_hi = up64(up64(up64(up64(Wk * (1 + g)) * e_up) + nk * TINY32) / z_dn)
+    q_lo = down64(down64(down64(down64(Wk * (1 - g)) * e_dn) - nk * TINY32).clamp(min=0) / z_up).clamp(min=0)
+    d = up64(2 * stats[:, 4:] + 2.0 ** -149)
+    hk = up64(up64(up64(hist_grid() * (1 + 2 * NB * U32)) * (1 + 2.0 ** -40))[None] + d)
+    M = max(int((nk > 0).sum(-1).max()), 1) if len(nk) else 1
+    order = torch.argsort((nk > 0).to(torch.int8), dim=-1, descending=True, stable=True)[:, :M]
+    occ = nk.gather(1, order) > 0
+    q_lo, q_hi, hk = (torch.where(occ, t.gather(1, order), 0.0).contiguous() for t in (q_lo, q_hi, hk))
+    return q_lo, q_hi, (-hk).contiguous(), hk
+
+
+def hist_box(cert, hist, stats, NB, N, D, above=0.0):
+    """Add the box form to a fused read's certificate: cert ([B, T, H] fp32 dict, fast.core.cpu_fused._certificate of
+    stats [B, T, H, 5], the kernel's Z, S1, S2, max c^, e) gets cert["box"] and cert["min"] = min(min, box), the box
+    computed on the rows whose min > above (the others' box: 1). hist [B, T, H, 2 HIST_K]: the kernel's histogram
+    (cpu_fused._run(hist=...)), per row the fp64 sum W_k of the weights w_j and the count n_k of the tokens whose c^_j
+    rounds up to bin k's grid value g_k (hist_grid). N: the token count the epilogue used (>= each row's).
+
+    Each bin is one pseudo-token of Box.v (spec T9c, proofs/BoxMerge.v box_e_merge): its tokens share the interval
+    [-h_k, h_k], h_k = up(up(up(g_k f) (1 + 2^-40)) + d) >= c_j + d (f = 1 + 2 NB u32: the epilogue's bound on the
+    exact witness from c^, _sums_to_pmz; d = up(2e + 2^-149): the logits' rounding, box_form_of_read); its
+    q_hi = up((up(W_k (1 + g)) e_up + n_k 2^-126) / z_dn) >= the sum of its tokens' q_hi and q_lo = (down((down(W_k
+    (1 - g)) e_dn - n_k 2^-126) / z_up))^+ <= the sum of their q_lo (box_form_of_read's enclosures; W_k within
+    g = 2 gamma_N of the exact sum: nonnegative terms; assumption A12). Then box_bound_enclosed over the bins
+    (hist_bins), + r_w (the served weights' rounding, as every form)."""
+    from fast.core.certify import weight_rounding
+    B, T, H = cert["min"].shape
+    R = B * T * H
+    box = torch.ones(R, dtype=torch.float32)
+    st = stats.reshape(R, 5)
+    sel = (cert["min"].reshape(R) > above).nonzero().flatten()
+    if len(sel):
+        bound, _ = box_bound_enclosed(*hist_bins(hist.reshape(R, 2 * HIST_K)[sel], st[sel], NB, N, D))
+        r_w = torch.from_numpy(weight_rounding(st[sel, 4].numpy(), N, D))
+        box[sel] = up32(up64(bound + r_w).clamp(max=1.0))
+    cert["box"] = box.view(B, T, H)
     cert["min"] = torch.minimum(cert["min"], cert["box"])
     return cert

@@ -173,7 +173,7 @@ def _sums_to_pmz(stats, NB, N):
     return np.stack([z, p, m]), cm
 
 
-def _run(q, qpos, segs, s, bands, ngk, ngv, certify, lut=None, scalar=False, out=None, dither_F=None, value=None):
+def _run(q, qpos, segs, s, bands, ngk, ngv, certify, lut=None, scalar=False, out=None, dither_F=None, value=None, hist=None):
     """Call the kernel. q [B, T, H, D] fp32 contiguous; qpos [B, T] int32; segs: two results of seg();
     bands [NB, W] int64 contiguous. Returns out [B, T, H, D] fp32 (written into `out` when given: fp32,
     contiguous, that shape), stats [B, T, H, 5] fp64 (Z, S1, S2, max c^, e). NaN/Inf: ValueError.
@@ -183,7 +183,9 @@ def _run(q, qpos, segs, s, bands, ngk, ngv, certify, lut=None, scalar=False, out
     value (certify): the centre [B, Hkv, D] fp32 of the value witness's radii (None: 0); then a last result, the output
     bound's sums (csrc Args.vstats: segment 0's v_err, seg()): vstats [B, T, H, 3] fp64 (sum_j w_j e_j, max e_j,
     max r_j >= ||v~_j - centre||, over each row's tokens) and vmax [B, Hkv, D] fp32 (max |v~| per channel), for
-    fast.core.attention.output_error_from_sums."""
+    fast.core.attention.output_error_from_sums.
+    hist (certify): an fp64 contiguous [B, T, H, 2 HIST_K] tensor the kernel fills with each row's histogram of c^
+    (csrc: hist_add; fast.core.box.hist_box turns it into the box form)."""
     B, T, H, D, NB = _checked_run(q, qpos, segs, s, bands, ngk, ngv, certify, lut)
     if dither_F is not None:
         if not (certify and segs[0]["c"].n and segs[0]["c"].dith):
@@ -206,6 +208,15 @@ def _run(q, qpos, segs, s, bands, ngk, ngv, certify, lut=None, scalar=False, out
     if dither_F is not None:
         dstats = torch.empty(B, T, H, 5, dtype=torch.float64)
         a.dF, a.dstats = float(dither_F), dstats.data_ptr()
+    if hist is not None:
+        from fast.core.box import HIST_K
+        if not certify:
+            raise ValueError("hist: the box form's histogram is for a certified read")
+        if not (isinstance(hist, torch.Tensor) and hist.dtype == torch.float64 and tuple(hist.shape) == (B, T, H, 2 * HIST_K)
+                and hist.is_contiguous() and hist.is_cpu):
+            raise ValueError(f"hist: fp64 contiguous CPU {(B, T, H, 2 * HIST_K)}, got {getattr(hist, 'dtype', hist)} "
+                             f"{tuple(getattr(hist, 'shape', ()))}")
+        a.hist = hist.data_ptr()
     vres = None
     if value is not None:
         if not certify:

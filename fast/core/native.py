@@ -18,7 +18,7 @@ import torch
 from fast.core.threads import read_threads
 
 SRC = Path(__file__).resolve().parent / "csrc" / "cpu_fused.cpp"
-ABI = 11  # csrc: kvcert_fused_abi (bumped with every change of Seg / Args or of an entry point's arguments)
+ABI = 12  # csrc: kvcert_fused_abi (bumped with every change of Seg / Args or of an entry point's arguments)
 FLAGS = ["-O3", "-g", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp", "-fopenmp-simd", "-fPIC", "-shared", "-std=c++17"]
 
 
@@ -53,7 +53,8 @@ class _Args(ctypes.Structure):
                 ("W", ctypes.c_int64), ("band_margin", ctypes.c_double), ("e_coef", ctypes.c_double), ("lut", ctypes.c_void_p), ("seg", _Seg * 2), ("out", ctypes.c_void_p), ("stats", ctypes.c_void_p),
                 ("kmax", ctypes.c_void_p), ("nanflag", ctypes.c_void_p), ("certify", ctypes.c_int),
                 ("threads", ctypes.c_int), ("chunk", ctypes.c_int64), ("dF", ctypes.c_double), ("dstats", ctypes.c_void_p),
-                ("vstats", ctypes.c_void_p), ("vmax", ctypes.c_void_p), ("vctr", ctypes.c_void_p), ("v_margin", ctypes.c_double)]
+                ("vstats", ctypes.c_void_p), ("vmax", ctypes.c_void_p), ("vctr", ctypes.c_void_p), ("v_margin", ctypes.c_double),
+                ("hist", ctypes.c_void_p)]
 
 
 class _EpiConst(ctypes.Structure):
@@ -145,6 +146,8 @@ def _lib(scalar=False):
         lib.kvcert_box_bound.argtypes = [*[ctypes.c_void_p] * 4, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, *[ctypes.c_int64] * 3,
                                          *[ctypes.c_double] * 4, ctypes.c_int, *[ctypes.c_void_p] * 5]
         lib.kvcert_box_bound.restype = ctypes.c_int
+        lib.kvcert_hist_k.argtypes = []
+        lib.kvcert_hist_k.restype = ctypes.c_int64
         _LIB[scalar] = lib
     return _LIB[scalar]
 

@@ -66,8 +66,10 @@ Configuration (environment, read in every process; workers inherit it):
   KVCERT_BANDS=8           bands per head (math.md Bands; rotate_half pairs)
   KVCERT_RECORDS=0         per-read records a worker keeps (the oldest dropped first; make_llm: records=)
   KVCERT_MAX_SUMMARIES=1024 summaries of finished requests kept until handed back (the oldest dropped first)
-  KVCERT_BOX=1             the box form (spec T9) in every certificate: every read by the torch twin
-                           (attention_rows(box_form=True), its C++ grid search), tighter and slower
+  KVCERT_BOX=1             the box form (spec T9) in the certificates: the fused read also keeps each row's
+                           histogram of c and the box runs over its bins (spec T9c, fast.core.box.hist_box; the
+                           torch twin's reads: over the tokens), tighter and slower
+  KVCERT_BOX_ABOVE=0       the box only on rows whose closed-form bound is above this (in [0, 1); 0: every row)
   KVCERT_FAULT             none (default) | key_scale:F: a faulty quantizer for demos and tests, the keys
                            stored times F after the cast (a wrong or missing scale); the witness, measured
                            against the exact key, sees it: certified, flagged, repaired by the gate
@@ -97,6 +99,7 @@ import torch
 
 from fast.core import cpu_fused
 from fast.core.attention import attention_rows  # the torch twin: where the fused read does not apply
+from fast.core.box import HIST_K, hist_box
 from fast.core.certify import logit_rounding, with_other_logits
 from fast.core.quant import dequantize, quantize
 from fast.core.rope import rope_bands
@@ -112,7 +115,7 @@ EXTENSION = "fast.integrations.vllm.KVCertWorker"
 
 # every KVCERT_* variable the project reads (a misspelt name would otherwise be ignored without a word)
 KNOWN_ENV = ("KVCERT_VLLM", "KVCERT_CODEC", "KVCERT_GATE", "KVCERT_SHADOW", "KVCERT_CERTIFY", "KVCERT_TRACE_DIR",
-             "KVCERT_BANDS", "KVCERT_RECORDS", "KVCERT_MAX_SUMMARIES", "KVCERT_FAULT", "KVCERT_BOX",
+             "KVCERT_BANDS", "KVCERT_RECORDS", "KVCERT_MAX_SUMMARIES", "KVCERT_FAULT", "KVCERT_BOX", "KVCERT_BOX_ABOVE",
              "KVCERT_BUILD_DIR", "KVCERT_CACHE", "KVCERT_SANITIZE", "KVCERT_SCALAR", "KVCERT_TRITON_CHILD")
 
 
@@ -156,7 +159,14 @@ class Config:
                              "none or certified:TAU)")
         self.shadow = flag("KVCERT_SHADOW", "0")
         self.certify = flag("KVCERT_CERTIFY", "1")
-        self.box = flag("KVCERT_BOX", "0")  # the box form (spec T9) on every read, by the torch twin
+        self.box = flag("KVCERT_BOX", "0")  # the box form (spec T9): over the fused read's histogram of c (T9c)
+        above = env.get("KVCERT_BOX_ABOVE", "0")
+        try:
+            self.box_above = float(above)
+        except ValueError:
+            self.box_above = math.nan
+        if not 0 <= self.box_above < 1:
+            raise ValueError(f"kvcert: {name('KVCERT_BOX_ABOVE')}={above!r}: expected a number in [0, 1)")
         self.trace_dir = env.get("KVCERT_TRACE_DIR") or None
         self.bands = count("KVCERT_BANDS", "8", least=1)
         # per-read records a worker keeps (the oldest dropped first, counted); 0: none (serving)
@@ -701,7 +711,7 @@ def _backend_classes():
             return self._twin(q, kv_cache, table, N, pos, box_form=self.cfg.box)
 
         def _fused(self):
-            return cpu_fused.available() and not self.cfg.box
+            return cpu_fused.available()
 
         def _kernel(self, q, kv_cache, table, N, qpos, out, certify, lens=None):
             """The fused C++ read in place from the paged cache (fp32 rows, or the packed page) -> (out, stats):
@@ -726,8 +736,12 @@ def _backend_classes():
             s0 = segs[table.shape[0]] = cpu_fused.paged_seg(N, table=table, base=got[2], reuse=segs.get(table.shape[0]),
                                                             lens=lens)
             lut = log_table32(fine=True) if self.packed and certify else None
-            return cpu_fused._run(q.contiguous(), qpos, [s0, self._empty_seg()], self.scale, self._bands64, 1, 1, certify,
-                                  lut=lut, out=out)
+            hist = None
+            if certify and self.cfg.box:  # the box form's histogram of c, carried after the five stats (_finish)
+                hist = torch.empty(*q.shape[:3], 2 * HIST_K, dtype=torch.float64)
+            out, stats = cpu_fused._run(q.contiguous(), qpos, [s0, self._empty_seg()], self.scale, self._bands64, 1, 1, certify,
+                                        lut=lut, out=out, hist=hist)
+            return out, stats if hist is None else torch.cat([stats, hist], -1)
 
         def _decode_batch(self, dec, q_all, out_all, kv_cache, md, certify):
             """The decode rows (one token each) of several requests (dec: _rows') in one kernel call (paged_seg(lens=...):
@@ -971,8 +985,11 @@ def _finish(entries):
     if pend:
         impl = pend[0]["impl"]
         H, D, NB = impl.num_heads, impl.head_size, impl._bands64.shape[0]
-        stats = torch.cat([e["stats"].view(-1, 1, H, 5) for e in pend])
-        cert = cpu_fused._certificate(stats, NB, max(max(e["Ns"]) if "batch" in e else e["N"] for e in pend), D)
+        stats = torch.cat([e["stats"].reshape(-1, 1, H, e["stats"].shape[-1]) for e in pend])
+        N = max(max(e["Ns"]) if "batch" in e else e["N"] for e in pend)
+        cert = cpu_fused._certificate(stats[..., :5].contiguous(), NB, N, D)
+        if cert is not None and impl.cfg.box:  # the box over each row's histogram of c (spec T9c)
+            cert = hist_box(cert, stats[..., 5:], stats[..., :5], NB, N, D, above=impl.cfg.box_above)
         if cert is not None:
             bound, i = cert["min"][:, 0], 0
             tops, sums = bound.amax(1).tolist(), bound.sum(1).tolist()  # per row, for the summaries
@@ -991,9 +1008,14 @@ def _finish(entries):
         if "bound" not in e:
             cert = e["cert"]
             if cert is None:
-                cert = cpu_fused._certificate(e["stats"], e["impl"]._bands64.shape[0], e["N"], e["impl"].head_size)
+                impl, st = e["impl"], e["stats"]
+                NB, D = impl._bands64.shape[0], impl.head_size
+                cert = cpu_fused._certificate(st[..., :5].contiguous(), NB, e["N"], D)
+                if cert is not None and impl.cfg.box:
+                    cert = hist_box(cert, st[..., 5:], st[..., :5], NB, e["N"], D, above=impl.cfg.box_above)
             if cert is None:  # the kernel's output was served: the twin's certificate + its logits' distance
-                cert = e["impl"]._twin(e["q"], e["kv"], e["table"], e["N"], e["pos"], served_by_kernel=True)[2]
+                impl = e["impl"]
+                cert = impl._twin(e["q"], e["kv"], e["table"], e["N"], e["pos"], served_by_kernel=True, box_form=impl.cfg.box)[2]
             e["bound"] = cert["min"][0]
         e["impl"]._finish_one(e, e["bound"])
 
@@ -1325,23 +1347,25 @@ class KVCertWorker:
 
 
 def make_llm(model, *, codec="fp8_e4m3", gate="none", shadow=False, certify=True, trace_dir=None, bands=8,
-             records=100_000, max_summaries=1024, fault="none", box=False, **kwargs):
+             records=100_000, max_summaries=1024, fault="none", box=False, box_above=0.0, **kwargs):
     """vllm.LLM with the plugin on (sets the KVCERT_* environment the workers inherit) after the
     start-up checks; bad configuration -> ValueError with one line, before any engine starts.
     records: per-read records each worker keeps for collect() (the oldest dropped first; 0: none);
     max_summaries: summaries of finished requests a worker keeps until handed back (generate() does).
     kvcert's side tensors are counted inside vLLM's KV-cache budget (kv_cache_memory_bytes, or what vLLM
     finds free): vLLM's reported KV capacity is what is left for its cache. fault: KVCERT_FAULT.
-    box: KVCERT_BOX (every read by the torch twin with the box form: tighter, slower)."""
+    box, box_above: KVCERT_BOX, KVCERT_BOX_ABOVE (the box form over the fused read's histogram of c: tighter, slower)."""
     env = {ENV: "1", "KVCERT_CODEC": str(codec), "KVCERT_GATE": str(gate), "KVCERT_SHADOW": "1" if shadow else "0",
            "KVCERT_CERTIFY": "1" if certify else "0", "KVCERT_BANDS": str(bands), "KVCERT_RECORDS": str(records),
-           "KVCERT_MAX_SUMMARIES": str(max_summaries), "KVCERT_FAULT": str(fault), "KVCERT_BOX": "1" if box else "0"}
+           "KVCERT_MAX_SUMMARIES": str(max_summaries), "KVCERT_FAULT": str(fault), "KVCERT_BOX": "1" if box else "0",
+           "KVCERT_BOX_ABOVE": str(box_above)}
     if trace_dir:
         env["KVCERT_TRACE_DIR"] = str(trace_dir)
     else:  # a trace_dir of an earlier make_llm in this process must not reach this engine's workers
         os.environ.pop("KVCERT_TRACE_DIR", None)
     names = {"KVCERT_CODEC": "codec", "KVCERT_GATE": "gate", "KVCERT_BANDS": "bands", "KVCERT_RECORDS": "records",
-             "KVCERT_MAX_SUMMARIES": "max_summaries", "KVCERT_FAULT": "fault", "KVCERT_BOX": "box"}
+             "KVCERT_MAX_SUMMARIES": "max_summaries", "KVCERT_FAULT": "fault", "KVCERT_BOX": "box",
+             "KVCERT_BOX_ABOVE": "box_above"}
     cfg = Config({**{k: v for k, v in os.environ.items() if k.startswith("KVCERT_")}, **env}, names=names)
     backend = kwargs.get("attention_backend")
     if backend not in (None, "CPU_ATTN"):

@@ -272,6 +272,9 @@ struct Args {
     float* vmax;
     const float* vctr;
     double v_margin;
+    // the box form over a histogram of c (fast.core.box.hist_box, spec T9c), when hist is not null: [B, T, H, 2 HIST_K],
+    // per row the fp64 sum of w_j and the count of the tokens whose c^_j rounds up to each grid value (hist_add)
+    double* hist;
 };
 
 inline int64_t tok_pos(const Seg& sg, int64_t b, int64_t h, int64_t j, int64_t pos0) {
@@ -1032,6 +1035,20 @@ float kappa_rows(const float* q, int64_t n, int64_t D, const int64_t* bd, int64_
     return nan;
 }
 
+// The histogram of c^ for the box form (fast.core.box.hist_box): c^ >= 0 rounded up to the float grid (1 + i/16) 2^e
+// by its bits (the exponent and the top 4 mantissa bits, the rest rounded up: key = ceil(bits / 2^19)); keys at or
+// below HIST_KEY0 (c^ <= 2^-20) go to bin 0, keys above HIST_KEY1 (c^ > 2^10, NaN, a sign bit) to the overflow bin
+// HIST_K - 1 (its row's box is 1). hs [2 HIST_K]: the sums of w (fp64, in token order), then the counts.
+constexpr int64_t HIST_KEY0 = 107 << 4, HIST_KEY1 = 137 << 4, HIST_K = HIST_KEY1 - HIST_KEY0 + 2;
+inline void hist_add(double* hs, float c, float w) {
+    uint32_t bits;
+    std::memcpy(&bits, &c, 4);
+    const int64_t key = ((int64_t)bits + 0x7FFFF) >> 19;
+    const int64_t k = key <= HIST_KEY0 ? 0 : key > HIST_KEY1 ? HIST_K - 1 : key - HIST_KEY0;
+    hs[k] += (double)w;
+    hs[HIST_K + k] += 1.0;
+}
+
 inline double tree8(const double* x) { return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7])); }
 
 // One row's sums over a chunk of L tokens: w the weights, o the readable mask, rt the witness band-major
@@ -1039,8 +1056,11 @@ inline double tree8(const double* x) { return ((x[0] + x[1]) + (x[2] + x[3])) + 
 // Z = sum w, S1 = sum w c, S2 = sum (w c) c in fp64 (w c exact: 24 x 24 bits), max c over readable tokens.
 // 8 lanes (token jj goes to lane jj % 8), then the tree of tree8: the AVX2 loop adds the same numbers in
 // the same order as the scalar tail, so both builds give the same bits. out: Z, S1, S2, max c. o null: every
-// token of the chunk is readable (the max over all of them, the same value).
-inline void row_sums(const float* w, const uint8_t* o, const float* rt, const float* kap, int64_t NB, int64_t L, double* out) {
+// token of the chunk is readable (the max over all of them, the same value). hs (not null, rt not null): the chunk's
+// histogram of c (hist_add, a token the row does not read at c = 0), written whole.
+inline void row_sums(const float* w, const uint8_t* o, const float* rt, const float* kap, int64_t NB, int64_t L, double* out,
+                     double* hs = nullptr) {
+    if (hs) std::fill(hs, hs + 2 * HIST_K, 0.0);
     alignas(32) double lz[8] = {0, 0, 0, 0, 0, 0, 0, 0}, l1[8] = {0, 0, 0, 0, 0, 0, 0, 0}, l2[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     float cm = 0.0f;
     int64_t jj = 0;
@@ -1057,11 +1077,17 @@ inline void row_sums(const float* w, const uint8_t* o, const float* rt, const fl
             if (!rt) continue;
             __m256 c = _mm256_setzero_ps();
             for (int64_t k = 0; k < NB; ++k) c = _mm256_fmadd_ps(_mm256_set1_ps(kap[k]), _mm256_loadu_ps(rt + k * L + jj), c);
+            __m256 cr = c;  // c at the tokens the row reads, else 0
             if (o) {
                 const __m256i om = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(o + jj)));
-                cmv = _mm256_max_ps(cmv, _mm256_and_ps(c, _mm256_castsi256_ps(_mm256_cmpgt_epi32(om, zi))));
-            } else {
-                cmv = _mm256_max_ps(cmv, c);
+                cr = _mm256_and_ps(c, _mm256_castsi256_ps(_mm256_cmpgt_epi32(om, zi)));
+            }
+            cmv = _mm256_max_ps(cmv, cr);
+            if (hs) {
+                alignas(32) float cl[8], wl[8];
+                _mm256_store_ps(cl, cr);
+                _mm256_store_ps(wl, wv);
+                for (int l = 0; l < 8; ++l) hist_add(hs, cl[l], wl[l]);
             }
             const __m256d ca = _mm256_cvtps_pd(_mm256_castps256_ps128(c)), cb = _mm256_cvtps_pd(_mm256_extractf128_ps(c, 1));
             const __m256d wca = _mm256_mul_pd(wa, ca), wcb = _mm256_mul_pd(wb, cb);
@@ -1088,7 +1114,9 @@ inline void row_sums(const float* w, const uint8_t* o, const float* rt, const fl
         const double cd = (double)c, wc = wd * cd;
         l1[l] += wc;
         l2[l] += wc * cd;
-        cm = std::max(cm, (!o || o[jj]) ? c : 0.0f);
+        const float cr = (!o || o[jj]) ? c : 0.0f;
+        cm = std::max(cm, cr);
+        if (hs) hist_add(hs, cr, w[jj]);
     }
     out[0] = tree8(lz);
     out[1] = tree8(l1);
@@ -1246,6 +1274,9 @@ void run_args(const Args& a) {
         pvmax.resize((size_t)(items * D));
     }
     double* PV = pvst.data();
+    static thread_local std::vector<double> phist;  // [items, R, 2 HIST_K]: each chunk's histogram (row_sums)
+    if (a.hist) phist.resize((size_t)(items * R * 2 * HIST_K));
+    double* PHIST = phist.data();
     float* PVM = pvmax.data();
     static thread_local std::vector<double> dcoef, psum2;
     const int64_t dng = a.seg[0].kasym ? D : a.ngk;
@@ -1566,7 +1597,8 @@ void run_args(const Args& a) {
             for (int64_t r = 0; r < R; ++r) {
                 const int64_t t = r / G, hq = h * G + r % G;
                 const bool all = plain && j1 - 1 <= (int64_t)a.qpos[b * T + t];
-                row_sums(lg + r * N + j0, all ? nullptr : okr + r * N, rt, KAPPA + ((b * T + t) * H + hq) * NB, NB, L, ps + r * 4);
+                row_sums(lg + r * N + j0, all ? nullptr : okr + r * N, rt, KAPPA + ((b * T + t) * H + hq) * NB, NB, L, ps + r * 4,
+                         a.hist ? PHIST + (it * R + r) * 2 * HIST_K : nullptr);
             }
         } else {
             for (int64_t r = 0; r < R; ++r) row_sums(lg + r * N + j0, okr + r * N, nullptr, nullptr, 0, L, ps + r * 4);
@@ -1708,6 +1740,14 @@ void run_args(const Args& a) {
                 // + (2.03 D s + 1) 2^-150: products below the normal range round with an absolute error
                 // (proofs/FloatDot.v logit_rounding_le_code_f32, spec T8e; 2.03 > 2.02 pays for this line's fp64 roundings)
                 st[4] = up(a.s64 * qk * a.e_coef + (2.03 * (double)D * a.s64 + 1.0) * 0x1p-150);
+                if (a.hist) {  // the chunks' histograms added in chunk order
+                    double* ho = a.hist + ((b * T + t) * H + hq) * 2 * HIST_K;
+                    std::fill(ho, ho + 2 * HIST_K, 0.0);
+                    for (int64_t c = 0; c < nch; ++c) {
+                        const double* hc = PHIST + (((b * Hkv + h) * nch + c) * R + r) * 2 * HIST_K;
+                        for (int64_t k = 0; k < 2 * HIST_K; ++k) ho[k] += hc[k];
+                    }
+                }
                 if (a.vstats) {
                     double vs = 0.0, em = 0.0, rm = 0.0;
                     for (int64_t c = 0; c < nch; ++c) {
@@ -1817,7 +1857,9 @@ int epilogue(const double* st, int64_t rows, const EpiConst& k, float* out) {
 
 extern "C" {
 
-int kvcert_fused_abi() { return 11; }
+int kvcert_fused_abi() { return 12; }
+
+int64_t kvcert_hist_k() { return HIST_K; }
 
 int kvcert_fused_avx2() { return KVCERT_AVX2; }
 

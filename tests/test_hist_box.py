@@ -1,0 +1,151 @@
+"""The box form over the fused read's histogram of c (fast.core.box.hist_box, csrc hist_add; spec T9c).
+
+Property: every token's witness bound (fast.core.witness.logit_error_bound64, fp64, from the stored witness) fits
+under the interval of a bin of its row (the bins' values cover the tokens' c sorted from the top, with their
+counts: a matching exists), and the same check with each bin one grid step lower fails (the check can fail).
+Soundness vs truth: the box >= the TV between softmax over the exact keys and over the stored ones (fp64), keys
+the library did not touch. Differential: within a few % of the twin's box over the tokens (Box.v's box at
+each token's own c: the histogram only rounds c up to the grid). Bad input: one ValueError each.
+"""
+
+import math
+
+import pytest
+import torch
+from hypothesis import assume, example, given, settings
+from hypothesis import strategies as st
+
+import fast
+from fast.core import box, cpu_fused
+from fast.core.attention import attention_rows
+from fast.core.certify import U32
+from conformance.test_fast_hist_box import CASE, build as _read
+from fast.core.witness import _log_table, logit_error_bound64
+
+def _token_c(q, rho, valid, exact, D, G):
+    """[B, H, N] fp64: each token's witness bound (0 where the row does not read it or the token is exact)."""
+    B, _, H, _ = q.shape
+    c = logit_error_bound64(q[:, 0], rho, fast.rope_bands(D, 8), D ** -0.5)
+    for m in (valid, None if exact is None else 1 - exact):
+        if m is not None:
+            c = c * m.repeat_interleave(G, 1).double()
+    return c
+
+
+def _matched(c, counts, values):
+    """Whether the tokens' c (sorted from the top) fit under the bins' values expanded by their counts."""
+    vals = torch.repeat_interleave(values, counts.long()).sort(descending=True).values
+    return len(vals) == len(c) and bool((c.sort(descending=True).values <= vals).all())
+
+
+def test_hist_k_is_the_kernels():
+    assert cpu_fused._lib().kvcert_hist_k() == box.HIST_K
+    g = box.hist_grid()
+    assert g[0] == 2.0 ** -20 and g[-2] == 2.0 ** 10 and math.isinf(g[-1]) and len(g) == box.HIST_K
+    m, e = torch.frexp(g[:-1])  # each value (1 + i/16) 2^e
+    assert bool(((2 * m - 1) * 16 == torch.round((2 * m - 1) * 16)).all()) and bool((g[1:] > g[:-1]).all())
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=CASE)
+@example(case={"seed": 5, "B": 2, "Hkv": 2, "G": 3, "N": 1100, "D": 64, "codec": "int8", "mag": 1.0, "padding": True,
+               "exact": True})
+@example(case={"seed": 6, "B": 1, "Hkv": 1, "G": 2, "N": 700, "D": 96, "codec": "int4", "mag": 0.3, "padding": False,
+               "exact": False})
+def test_every_token_fits_under_a_bin_of_its_row(case):
+    q, k, kq, rho, valid, exact, stats, hist, _ = _read(case)
+    D, G, N = case["D"], case["G"], case["N"]
+    c = _token_c(q, rho, valid, exact, D, G)
+    W, n = hist[:, 0, :, : box.HIST_K], hist[:, 0, :, box.HIST_K:]
+    f = (1 + 2 * 8 * U32) * (1 + 2.0 ** -40)  # the epilogue's margin from c^ to the exact witness bound (hist_box)
+    grid = box.hist_grid()
+    lower = torch.cat([grid[:1] / 2, grid[:-2], grid[-2:-1]])  # each bin one grid step down (a mutant)
+    B, H = W.shape[:2]
+    for b in range(B):
+        for h in range(H):
+            assert n[b, h].sum() == N and bool((n[b, h] == n[b, h].round()).all()) and bool((W[b, h] >= 0).all())
+            assert math.isclose(float(W[b, h].sum()), float(stats[b, 0, h, 0]), rel_tol=1e-12)
+            assert _matched(c[b, h], n[b, h], grid * f * (1 + 1e-9)), f"a token above its bin: {case}"
+            if float(c[b, h].max()) > 2.0 ** -19:  # a token in a bin above the lowest: one step down is too low
+                assert not _matched(c[b, h], n[b, h], lower * f), f"the mutant passed: {case}"
+
+
+def _true_tv(q, k, kq, valid, G):
+    """TV [B, H] between softmax over the exact keys and over the stored ones, fp64, the rows' readable tokens."""
+    D = q.shape[-1]
+    kd = fast.dequantize(kq)
+
+    def probs(keys):
+        x = torch.einsum("bhd,bhnd->bhn", q[:, 0].double(), keys.double().repeat_interleave(G, 1)) * D ** -0.5
+        if valid is not None:
+            x = x.masked_fill(valid.repeat_interleave(G, 1) == 0, -math.inf)
+        return torch.softmax(x, -1)
+
+    return 0.5 * (probs(k) - probs(kd)).abs().sum(-1)
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=CASE)
+@example(case={"seed": 5, "B": 2, "Hkv": 2, "G": 3, "N": 1100, "D": 64, "codec": "int8", "mag": 1.0, "padding": True,
+               "exact": True})
+@example(case={"seed": 6, "B": 1, "Hkv": 1, "G": 2, "N": 700, "D": 96, "codec": "int4", "mag": 0.3, "padding": False,
+               "exact": False})
+def test_hist_box_bounds_the_true_tv_and_is_near_the_token_box(case):
+    q, k, kq, rho, valid, exact, stats, hist, bands = _read(case)
+    D, N = case["D"], case["N"]
+    if exact is not None:  # a token flagged exact holds its exact key (c = 0 there): the truth is what is stored
+        k = torch.where(exact.bool()[..., None], fast.dequantize(kq), k)
+    cert = cpu_fused._certificate(stats, 8, N, D)
+    assume(cert is not None)  # a witness too large for the fp32 epilogue: the twin certifies that read
+    closed = cert["min"].clone()
+    cert = box.hist_box(cert, hist, stats, 8, N, D)
+    tv = _true_tv(q, k, kq, None if valid is None else valid.bool(), case["G"])
+    got = cert["box"][:, 0].double()
+    assert bool((got >= tv).all()), f"unsound: box {got.tolist()} < TV {tv.tolist()}; {case}"
+    assert torch.equal(cert["min"], torch.minimum(closed, cert["box"]))
+    # the twin's box over each token's own c (attention_rows(box_form=True), the torch read)
+    vm = None if valid is None else valid[:, 0].bool()
+    _, ct = attention_rows(q, kq, kq, rho, D ** -0.5, bands=bands, q_pos=torch.full((case["B"], 1), N - 1), valid=vm,
+                           exact=None if exact is None else exact.bool(), backend="torch", box_form=True)
+    tw = ct["box"][:, 0].double()
+    live = tw < 0.5  # away from saturation
+    assert bool((got[live] >= 0.97 * tw[live] - 1e-6).all()), (got[live], tw[live], case)
+    assert bool((got[live] <= 1.12 * tw[live] + 1e-5).all()), (got[live], tw[live], case)
+
+
+def test_above_skips_the_rows_already_below_it():
+    case = {"seed": 3, "B": 2, "Hkv": 2, "G": 2, "N": 300, "D": 64, "codec": "int4", "mag": 0.3, "padding": False,
+            "exact": False}
+    *_, stats, hist, _ = _read(case)
+    cert = cpu_fused._certificate(stats, 8, 300, 64)
+    closed = cert["min"].clone()
+    t = float(closed.median())
+    some = box.hist_box({k: v.clone() for k, v in cert.items()}, hist, stats, 8, 300, 64, above=t)
+    every = box.hist_box({k: v.clone() for k, v in cert.items()}, hist, stats, 8, 300, 64)
+    over = closed > t
+    assert bool(over.any()) and bool((~over).any())
+    assert bool((some["box"][~over] == 1).all()) and torch.equal(some["min"][~over], closed[~over])
+    assert torch.equal(some["box"][over], every["box"][over])
+    assert bool((every["box"] < closed).all())  # int4 with c over several octaves: the box is tighter on every row
+
+
+@pytest.mark.parametrize("what", ["shape", "dtype", "uncertified"])
+def test_bad_hist_one_value_error(what):
+    g = torch.Generator().manual_seed(0)
+    kq = fast.quantize(torch.randn(1, 1, 20, 64, generator=g), "int8", group_size=64)
+    rho = fast.pack_witness(fast.witness(torch.randn(1, 1, 20, 64, generator=g), fast.dequantize(kq), fast.rope_bands(64, 8)),
+                            fine=True).contiguous()
+    s0 = cpu_fused.seg(1, 20, k=kq.codes.contiguous(), v=kq.codes.contiguous(), k_scales=kq.scales.contiguous().view(torch.int16),
+                       v_scales=kq.scales.contiguous().view(torch.int16), rho=rho)
+    shape, dtype, certify = (1, 1, 1, 2 * box.HIST_K), torch.float64, True
+    if what == "shape":
+        shape = (1, 1, 1, box.HIST_K)
+    elif what == "dtype":
+        dtype = torch.float32
+    else:
+        certify = False
+    lut = _log_table("cpu", True).to(torch.float32).contiguous()
+    with pytest.raises(ValueError, match="hist"):
+        cpu_fused._run(torch.randn(1, 1, 1, 64), torch.full((1, 1), 19, dtype=torch.int32), [s0, cpu_fused.seg(1, 0)], 0.125,
+                       fast.rope_bands(64, 8).to(torch.int64).contiguous(), 1, 1, certify, lut,
+                       hist=torch.zeros(shape, dtype=dtype))
