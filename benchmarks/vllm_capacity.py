@@ -19,6 +19,12 @@ int8 page without certificates (KVCERT_CERTIFY=0, the same codes) and with them,
 decoded fp32 store plus its witness: more bytes than vLLM alone) for its capacity only. bf16 is not run (kvcert needs an fp32
 model on CPU; vLLM's CPU bf16 path is another kernel): its capacity is the fp32 engine's twice, at
 2 x 2 D bytes per (slot, KV head), reported as computed.
+
+    nice -n 10 python -m benchmarks.vllm_capacity --box --out results/vllm_capacity_box.json \
+        --engines "kvcert int8, packed page (no certificate)|kvcert int8, packed page, certified"
+
+--box: the certified int8 engine of the pair with the box form too (KVCERT_BOX=1, --box-above its
+KVCERT_BOX_ABOVE): the cost of the tighter certificate under the same load.
 """
 
 import argparse
@@ -62,6 +68,8 @@ def _start(model, name, args, per_req, warm):
     """(engine, its row: capacity, kvcert's bytes) after a warm-up request (warm: a prompt)."""
     from vllm import SamplingParams
     kw = ENGINES[name][0]
+    if args.box and name == PAIR[1]:  # the certified int8 engine with the box form (its histogram of c, spec T9c)
+        kw = {**kw, "box": True, "box_above": args.box_above}
     llm = _llm(model, kw, args.budget_mib << 20, args.max_model_len, args.batched_tokens)
     nb, bs = _blocks(llm)
     row = {"engine": name, "kvcert": kw, "blocks": nb, "block_size": bs, "capacity_tokens": nb * bs,
@@ -108,7 +116,7 @@ def run(model, prompts, args):
         if ENGINES[name][1]:
             for r in range(args.rounds if len(group) > 1 else 1):
                 for n in (group if r % 2 == 0 else group[::-1]):
-                    runs[n].append(_workload(started[n][0], ENGINES[n][0], prompts, params))
+                    runs[n].append(_workload(started[n][0], started[n][1]["kvcert"], prompts, params))
         for n in group:
             row = started[n][1]
             if runs[n]:
@@ -171,6 +179,8 @@ def main(argv=None):
     ap.add_argument("--batched-tokens", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the int8 pair without / with certificates")
     ap.add_argument("--engines", default="", help="'|'-separated engine names (default: all)")
+    ap.add_argument("--box", action="store_true", help="the certified int8 engine with the box form (KVCERT_BOX=1)")
+    ap.add_argument("--box-above", type=float, default=0.0, help="KVCERT_BOX_ABOVE of that engine (0: the box on every row)")
     ap.add_argument("--out", default="results/vllm_capacity.json")
     args = ap.parse_args(argv)
     start = time.time()

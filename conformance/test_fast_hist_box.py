@@ -49,7 +49,7 @@ def build(case):
     q = (torch.randn(B, 1, H, D, generator=g) * case["mag"]).contiguous()
     qpos = torch.full((B, 1), N - 1, dtype=torch.int32)
     lut = _log_table("cpu", True).to(torch.float32).contiguous()
-    hist = torch.empty(B, 1, H, 2 * box.HIST_K, dtype=torch.float64)
+    hist = torch.empty(B, 1, H, 3 * box.HIST_K, dtype=torch.float64)
     _, stats = cpu_fused._run(q, qpos, [s0, cpu_fused.seg(Hkv, 0)], D ** -0.5, bands.to(torch.int64).contiguous(), 1, 1, True,
                               lut, hist=hist)
     return q, k, kq, fast.unpack_witness(rho, fine=True), valid, exact, stats, hist, bands
@@ -61,7 +61,7 @@ def check_hist_box_ge_reference(case):
     q, k, kq, rho, valid, exact, stats, hist, bands = build(case)
     N, D = case["N"], case["D"]
     R = hist.shape[0] * hist.shape[2]
-    st5, h = stats.reshape(R, 5), hist.reshape(R, 2 * box.HIST_K)
+    st5, h = stats.reshape(R, 5), hist.reshape(R, 3 * box.HIST_K)
     bins = box.hist_bins(h, st5, 8, N, D)
     got, grid = box.box_bound_enclosed(*bins)
     u0, u1, l0, l1 = (t.tolist() for t in grid)

@@ -431,7 +431,7 @@ def test_vector_paths_same_bits_as_scalar(case):
     assert cpu_fused.lut_is_grid(lut)  # the AVX2 build decodes it in registers, the scalar build gathers
     b64 = bands.to(torch.int64).contiguous()
     from fast.core.box import HIST_K
-    hists = [torch.full((B, T, H, 2 * HIST_K), math.nan, dtype=torch.float64) if case["certify"] else None for _ in range(2)]
+    hists = [torch.full((B, T, H, 3 * HIST_K), math.nan, dtype=torch.float64) if case["certify"] else None for _ in range(2)]
     got = [cpu_fused._run(q, qpos, [s0, s1], D ** -0.5, b64, case["groups"] if N0 else 1, case["groups"] if N0 else 1,
                           case["certify"], lut, scalar=sc, hist=hists[sc]) for sc in (False, True)]
     rep = f"case {json.dumps(case)}"

@@ -338,13 +338,13 @@ def box_form_of_read(cert, w, c, e, vmask, D, lo=None, hi=None):
 
 # ---- the box form over a histogram of c (spec T9c): the fused read's box ----
 
-HIST_KEY0, HIST_KEY1 = 107 << 4, 137 << 4  # csrc hist_add: the grid values 2^-20 and 2^10 (fp32 bits >> 19)
-HIST_K = HIST_KEY1 - HIST_KEY0 + 2         # the grid values from 2^-20 to 2^10, then the overflow bin
+HIST_KEY0, HIST_KEY1 = 113 << 4, 135 << 4  # csrc hist_add: the grid values 2^-14 and 2^8 (fp32 bits >> 19)
+HIST_K = HIST_KEY1 - HIST_KEY0 + 2         # the grid values from 2^-14 to 2^8, then the overflow bin
 
 
 def hist_grid():
     """[HIST_K] fp64: bin k's grid value, the fp32 with bits (HIST_KEY0 + k) << 19 (every token of the bin has c^ <=
-    it: csrc hist_add rounds c^ up to it), the overflow bin's +inf."""
+    it: csrc hist_add bins c^ by the value it rounds up to), the overflow bin's +inf."""
     keys = torch.arange(HIST_KEY0, HIST_KEY1 + 1, dtype=torch.int32) << 19
     return torch.cat([keys.view(torch.float32).double(), torch.tensor([math.inf], dtype=torch.float64)])
 
@@ -352,8 +352,11 @@ def hist_grid():
 def hist_bins(hist, stats, NB, N, D):
     """The pseudo-tokens of hist_box (one per occupied bin, then empty ones: q = 0, interval [0, 0], nothing in box_e)
     for R rows: (q_lo, q_hi, lo, hi) [R, M] fp64 contiguous, M the most occupied bins of a row (module doc of
-    hist_box). hist [R, 2 HIST_K], stats [R, 5] fp64."""
-    Wk, nk = hist[:, :HIST_K], hist[:, HIST_K:]
+    hist_box). hist [R, 3 HIST_K] (the kernel's: each row's occupied bins first), stats [R, 5] fp64."""
+    occ_all = hist[:, 2 * HIST_K:] > 0
+    M = max(int(occ_all.sum(-1).max()), 1) if len(hist) else 1
+    cb, Wk, nk = (hist[:, i * HIST_K:i * HIST_K + M] for i in range(3))
+    occ = nk > 0
     e = stats[:, 4].numpy()
     e_up, e_dn = (t.view(-1, 1) for t in _exp_enclosure(e, D))
     z_dn, z_up = _z_enclosure(stats[:, :1], N, e_up, e_dn)
@@ -361,20 +364,19 @@ def hist_bins(hist, stats, NB, N, D):
     q_hi = up64(up64(up64(up64(Wk * (1 + g)) * e_up) + nk * TINY32) / z_dn)
     q_lo = down64(down64(down64(down64(Wk * (1 - g)) * e_dn) - nk * TINY32).clamp(min=0) / z_up).clamp(min=0)
     d = up64(2 * stats[:, 4:] + 2.0 ** -149)
-    hk = up64(up64(up64(hist_grid() * (1 + 2 * NB * U32)) * (1 + 2.0 ** -40))[None] + d)
-    M = max(int((nk > 0).sum(-1).max()), 1) if len(nk) else 1
-    order = torch.argsort((nk > 0).to(torch.int8), dim=-1, descending=True, stable=True)[:, :M]
-    occ = nk.gather(1, order) > 0
-    q_lo, q_hi, hk = (torch.where(occ, t.gather(1, order), 0.0).contiguous() for t in (q_lo, q_hi, hk))
+    hk = up64(up64(up64(cb * (1 + 2 * NB * U32)) * (1 + 2.0 ** -40)) + d)
+    q_lo, q_hi, hk = (torch.where(occ, t, 0.0).contiguous() for t in (q_lo, q_hi, hk))
     return q_lo, q_hi, (-hk).contiguous(), hk
 
 
 def hist_box(cert, hist, stats, NB, N, D, above=0.0):
     """Add the box form to a fused read's certificate: cert ([B, T, H] fp32 dict, fast.core.cpu_fused._certificate of
     stats [B, T, H, 5], the kernel's Z, S1, S2, max c^, e) gets cert["box"] and cert["min"] = min(min, box), the box
-    computed on the rows whose min > above (the others' box: 1). hist [B, T, H, 2 HIST_K]: the kernel's histogram
-    (cpu_fused._run(hist=...)), per row the fp64 sum W_k of the weights w_j and the count n_k of the tokens whose c^_j
-    rounds up to bin k's grid value g_k (hist_grid). N: the token count the epilogue used (>= each row's).
+    computed on the rows whose min > above (the others' box: 1). hist [B, T, H, 3 HIST_K]: the kernel's histogram
+    (cpu_fused._run(hist=...)): the tokens of a row binned by the grid value (1 + i/16) 2^e their c^_j rounds up to
+    (hist_grid), per row its occupied bins k in order: the largest c^_j of the bin's tokens g_k (+inf: the overflow
+    bin, c^ > 2^8), the fp64 sum W_k of their weights w_j and their count n_k, then zeros. N: the token count the
+    epilogue used (>= each row's).
 
     Each bin is one pseudo-token of Box.v (spec T9c, proofs/BoxMerge.v box_e_merge): its tokens share the interval
     [-h_k, h_k], h_k = up(up(up(g_k f) (1 + 2^-40)) + d) >= c_j + d (f = 1 + 2 NB u32: the epilogue's bound on the
@@ -390,7 +392,7 @@ def hist_box(cert, hist, stats, NB, N, D, above=0.0):
     st = stats.reshape(R, 5)
     sel = (cert["min"].reshape(R) > above).nonzero().flatten()
     if len(sel):
-        bound, _ = box_bound_enclosed(*hist_bins(hist.reshape(R, 2 * HIST_K)[sel], st[sel], NB, N, D))
+        bound, _ = box_bound_enclosed(*hist_bins(hist.reshape(R, 3 * HIST_K)[sel], st[sel], NB, N, D))
         r_w = torch.from_numpy(weight_rounding(st[sel, 4].numpy(), N, D))
         box[sel] = up32(up64(bound + r_w).clamp(max=1.0))
     cert["box"] = box.view(B, T, H)

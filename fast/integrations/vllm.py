@@ -738,7 +738,7 @@ def _backend_classes():
             lut = log_table32(fine=True) if self.packed and certify else None
             hist = None
             if certify and self.cfg.box:  # the box form's histogram of c, carried after the five stats (_finish)
-                hist = torch.empty(*q.shape[:3], 2 * HIST_K, dtype=torch.float64)
+                hist = torch.empty(*q.shape[:3], 3 * HIST_K, dtype=torch.float64)
             out, stats = cpu_fused._run(q.contiguous(), qpos, [s0, self._empty_seg()], self.scale, self._bands64, 1, 1, certify,
                                         lut=lut, out=out, hist=hist)
             return out, stats if hist is None else torch.cat([stats, hist], -1)

@@ -272,8 +272,9 @@ struct Args {
     float* vmax;
     const float* vctr;
     double v_margin;
-    // the box form over a histogram of c (fast.core.box.hist_box, spec T9c), when hist is not null: [B, T, H, 2 HIST_K],
-    // per row the fp64 sum of w_j and the count of the tokens whose c^_j rounds up to each grid value (hist_add)
+    // the box form over a histogram of c (fast.core.box.hist_box, spec T9c), when hist is not null: [B, T, H, 3, HIST_K],
+    // per row its occupied bins in increasing order, then zeros: the largest c^_j of the bin's tokens (+inf for the
+    // overflow bin), the fp64 sum of their w_j and their count (hist_add)
     double* hist;
 };
 
@@ -1035,11 +1036,12 @@ float kappa_rows(const float* q, int64_t n, int64_t D, const int64_t* bd, int64_
     return nan;
 }
 
-// The histogram of c^ for the box form (fast.core.box.hist_box): c^ >= 0 rounded up to the float grid (1 + i/16) 2^e
-// by its bits (the exponent and the top 4 mantissa bits, the rest rounded up: key = ceil(bits / 2^19)); keys at or
-// below HIST_KEY0 (c^ <= 2^-20) go to bin 0, keys above HIST_KEY1 (c^ > 2^10, NaN, a sign bit) to the overflow bin
-// HIST_K - 1 (its row's box is 1). hs [2 HIST_K]: the sums of w (fp64, in token order), then the counts.
-constexpr int64_t HIST_KEY0 = 107 << 4, HIST_KEY1 = 137 << 4, HIST_K = HIST_KEY1 - HIST_KEY0 + 2;
+// The histogram of c^ for the box form (fast.core.box.hist_box): bin of c^ >= 0 by the float grid (1 + i/16) 2^e it
+// rounds up to, from its bits (the exponent and the top 4 mantissa bits, the rest rounded up: key = ceil(bits / 2^19));
+// keys at or below HIST_KEY0 (c^ <= 2^-14) go to bin 0, keys above HIST_KEY1 (c^ > 2^8, NaN, a sign bit) to the
+// overflow bin HIST_K - 1 (its row's box is 1). hs [3 HIST_K]: the sums of w (fp64, in token order), the counts, the
+// largest c^ of each bin.
+constexpr int64_t HIST_KEY0 = 113 << 4, HIST_KEY1 = 135 << 4, HIST_K = HIST_KEY1 - HIST_KEY0 + 2;
 inline void hist_add(double* hs, float c, float w) {
     uint32_t bits;
     std::memcpy(&bits, &c, 4);
@@ -1047,6 +1049,7 @@ inline void hist_add(double* hs, float c, float w) {
     const int64_t k = key <= HIST_KEY0 ? 0 : key > HIST_KEY1 ? HIST_K - 1 : key - HIST_KEY0;
     hs[k] += (double)w;
     hs[HIST_K + k] += 1.0;
+    hs[2 * HIST_K + k] = std::max(hs[2 * HIST_K + k], (double)c);
 }
 
 inline double tree8(const double* x) { return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7])); }
@@ -1060,7 +1063,7 @@ inline double tree8(const double* x) { return ((x[0] + x[1]) + (x[2] + x[3])) + 
 // histogram of c (hist_add, a token the row does not read at c = 0), written whole.
 inline void row_sums(const float* w, const uint8_t* o, const float* rt, const float* kap, int64_t NB, int64_t L, double* out,
                      double* hs = nullptr) {
-    if (hs) std::fill(hs, hs + 2 * HIST_K, 0.0);
+    if (hs) std::fill(hs, hs + 3 * HIST_K, 0.0);
     alignas(32) double lz[8] = {0, 0, 0, 0, 0, 0, 0, 0}, l1[8] = {0, 0, 0, 0, 0, 0, 0, 0}, l2[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     float cm = 0.0f;
     int64_t jj = 0;
@@ -1274,8 +1277,8 @@ void run_args(const Args& a) {
         pvmax.resize((size_t)(items * D));
     }
     double* PV = pvst.data();
-    static thread_local std::vector<double> phist;  // [items, R, 2 HIST_K]: each chunk's histogram (row_sums)
-    if (a.hist) phist.resize((size_t)(items * R * 2 * HIST_K));
+    static thread_local std::vector<double> phist;  // [items, R, 3 HIST_K]: each chunk's histogram (row_sums)
+    if (a.hist) phist.resize((size_t)(items * R * 3 * HIST_K));
     double* PHIST = phist.data();
     float* PVM = pvmax.data();
     static thread_local std::vector<double> dcoef, psum2;
@@ -1598,7 +1601,7 @@ void run_args(const Args& a) {
                 const int64_t t = r / G, hq = h * G + r % G;
                 const bool all = plain && j1 - 1 <= (int64_t)a.qpos[b * T + t];
                 row_sums(lg + r * N + j0, all ? nullptr : okr + r * N, rt, KAPPA + ((b * T + t) * H + hq) * NB, NB, L, ps + r * 4,
-                         a.hist ? PHIST + (it * R + r) * 2 * HIST_K : nullptr);
+                         a.hist ? PHIST + (it * R + r) * 3 * HIST_K : nullptr);
             }
         } else {
             for (int64_t r = 0; r < R; ++r) row_sums(lg + r * N + j0, okr + r * N, nullptr, nullptr, 0, L, ps + r * 4);
@@ -1740,14 +1743,6 @@ void run_args(const Args& a) {
                 // + (2.03 D s + 1) 2^-150: products below the normal range round with an absolute error
                 // (proofs/FloatDot.v logit_rounding_le_code_f32, spec T8e; 2.03 > 2.02 pays for this line's fp64 roundings)
                 st[4] = up(a.s64 * qk * a.e_coef + (2.03 * (double)D * a.s64 + 1.0) * 0x1p-150);
-                if (a.hist) {  // the chunks' histograms added in chunk order
-                    double* ho = a.hist + ((b * T + t) * H + hq) * 2 * HIST_K;
-                    std::fill(ho, ho + 2 * HIST_K, 0.0);
-                    for (int64_t c = 0; c < nch; ++c) {
-                        const double* hc = PHIST + (((b * Hkv + h) * nch + c) * R + r) * 2 * HIST_K;
-                        for (int64_t k = 0; k < 2 * HIST_K; ++k) ho[k] += hc[k];
-                    }
-                }
                 if (a.vstats) {
                     double vs = 0.0, em = 0.0, rm = 0.0;
                     for (int64_t c = 0; c < nch; ++c) {
@@ -1767,6 +1762,29 @@ void run_args(const Args& a) {
                     ds[0] = z; ds[1] = d1; ds[2] = d2; ds[3] = dm; ds[4] = st[4];
                 }
             }
+        }
+    }
+    if (a.hist) {  // per row: the chunks' histograms merged in chunk order, then its occupied bins in order
+#pragma omp parallel for schedule(static) num_threads(a.threads)
+        for (int64_t row = 0; row < B * T * H; ++row) {
+            const int64_t b = row / (T * H), t = (row / H) % T, hq = row % H, h = hq / G, r = t * G + hq % G;
+            double acc[3 * HIST_K];
+            std::fill(acc, acc + 3 * HIST_K, 0.0);
+            for (int64_t c = 0; c < nch; ++c) {
+                const double* hc = PHIST + (((b * Hkv + h) * nch + c) * R + r) * 3 * HIST_K;
+                for (int64_t k = 0; k < 2 * HIST_K; ++k) acc[k] += hc[k];
+                for (int64_t k = 2 * HIST_K; k < 3 * HIST_K; ++k) acc[k] = std::max(acc[k], hc[k]);
+            }
+            double* ho = a.hist + row * 3 * HIST_K;
+            int64_t m = 0;
+            for (int64_t k = 0; k < HIST_K; ++k)
+                if (acc[HIST_K + k] > 0) {
+                    ho[m] = k == HIST_K - 1 ? INFINITY : acc[2 * HIST_K + k];
+                    ho[HIST_K + m] = acc[k];
+                    ho[2 * HIST_K + m] = acc[HIST_K + k];
+                    ++m;
+                }
+            for (; m < HIST_K; ++m) ho[m] = ho[HIST_K + m] = ho[2 * HIST_K + m] = 0.0;
         }
     }
     if (a.vstats && a.vmax)
