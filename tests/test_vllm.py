@@ -468,6 +468,7 @@ def test_vllm_packed_page_owns_the_cache_bytes_and_is_sound(tiny, codec, page_by
     ({"records": -1}, "records='-1': expected an integer >= 0"),
     ({"box": True, "box_above": 1.5}, "box_above='1.5': expected a number in [0, 1)"),
     ({"box": True, "box_above": "nan"}, "box_above='nan': expected a number in [0, 1)"),
+    ({"box_above": 0.2}, "box_above='0.2' without box=1"),
 ])
 def test_vllm_bad_configuration_fails_at_startup(tiny, kw, msg):
     with pytest.raises(ValueError) as e:

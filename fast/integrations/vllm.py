@@ -167,6 +167,8 @@ class Config:
             self.box_above = math.nan
         if not 0 <= self.box_above < 1:
             raise ValueError(f"kvcert: {name('KVCERT_BOX_ABOVE')}={above!r}: expected a number in [0, 1)")
+        if self.box_above and not self.box:
+            raise ValueError(f"kvcert: {name('KVCERT_BOX_ABOVE')}={above!r} without {name('KVCERT_BOX')}=1 (no box to skip)")
         self.trace_dir = env.get("KVCERT_TRACE_DIR") or None
         self.bands = count("KVCERT_BANDS", "8", least=1)
         # per-read records a worker keeps (the oldest dropped first, counted); 0: none (serving)
