@@ -22,6 +22,17 @@ from fast.core.certify import U32
 from conformance.test_fast_hist_box import CASE, build as _read
 from fast.core.witness import _log_table, logit_error_bound64
 
+LONG = ({"seed": 5, "B": 2, "Hkv": 2, "G": 3, "N": 1100, "D": 64, "codec": "int8", "mag": 1.0, "padding": True, "exact": True},
+        {"seed": 6, "B": 1, "Hkv": 1, "G": 2, "N": 700, "D": 96, "codec": "int4", "mag": 0.3, "padding": False, "exact": False})
+
+
+def cases(test):
+    """Hypothesis over CASE, with two long reads (several chunks) always among them."""
+    for case in LONG:
+        test = example(case=case)(test)
+    return settings(max_examples=25, deadline=None)(given(case=CASE)(test))
+
+
 def _token_c(q, rho, valid, exact, D, G):
     """[B, H, N] fp64: each token's witness bound (0 where the row does not read it or the token is exact)."""
     B, _, H, _ = q.shape
@@ -46,12 +57,7 @@ def test_hist_k_is_the_kernels():
     assert bool(((2 * m - 1) * 16 == torch.round((2 * m - 1) * 16)).all()) and bool((g[1:] > g[:-1]).all())
 
 
-@settings(max_examples=25, deadline=None)
-@given(case=CASE)
-@example(case={"seed": 5, "B": 2, "Hkv": 2, "G": 3, "N": 1100, "D": 64, "codec": "int8", "mag": 1.0, "padding": True,
-               "exact": True})
-@example(case={"seed": 6, "B": 1, "Hkv": 1, "G": 2, "N": 700, "D": 96, "codec": "int4", "mag": 0.3, "padding": False,
-               "exact": False})
+@cases
 def test_every_token_fits_under_a_bin_of_its_row(case):
     q, k, kq, rho, valid, exact, stats, hist, _ = _read(case)
     D, G, N = case["D"], case["G"], case["N"]
@@ -93,12 +99,7 @@ def _true_tv(q, k, kq, valid, G):
     return 0.5 * (probs(k) - probs(kd)).abs().sum(-1)
 
 
-@settings(max_examples=25, deadline=None)
-@given(case=CASE)
-@example(case={"seed": 5, "B": 2, "Hkv": 2, "G": 3, "N": 1100, "D": 64, "codec": "int8", "mag": 1.0, "padding": True,
-               "exact": True})
-@example(case={"seed": 6, "B": 1, "Hkv": 1, "G": 2, "N": 700, "D": 96, "codec": "int4", "mag": 0.3, "padding": False,
-               "exact": False})
+@cases
 def test_hist_box_bounds_the_true_tv_and_is_near_the_token_box(case):
     q, k, kq, rho, valid, exact, stats, hist, bands = _read(case)
     D, N = case["D"], case["N"]
