@@ -27,9 +27,9 @@ CASE = st.fixed_dictionaries({
     "mag": st.sampled_from([0.3, 1.0, 3.0]), "padding": st.booleans(), "exact": st.booleans()})
 
 
-def build(case):
-    """One certified decode read (T = 1) through the kernel with its histogram: (q, k, kq, rho, valid, exact,
-    stats, hist, bands)."""
+def build(case, M=box.HIST_M):
+    """One certified decode read (T = 1) through the kernel with its histogram of M bins a row (more occupied: merged
+    in pairs): (q, k, kq, rho, valid, exact, stats, hist, bands)."""
     g = torch.Generator().manual_seed(case["seed"])
     B, Hkv, G, N, D = case["B"], case["Hkv"], case["G"], case["N"], case["D"]
     H = Hkv * G
@@ -51,7 +51,7 @@ def build(case):
     q = (torch.randn(B, 1, H, D, generator=g) * case["mag"]).contiguous()
     qpos = torch.full((B, 1), N - 1, dtype=torch.int32)
     lut = _log_table("cpu", True).to(torch.float32).contiguous()
-    hist = torch.empty(B, 1, H, 3 * box.HIST_K, dtype=torch.float64)
+    hist = torch.empty(B, 1, H, 3 * M, dtype=torch.float64)
     _, stats = cpu_fused._run(q, qpos, [s0, cpu_fused.seg(Hkv, 0)], D ** -0.5, bands.to(torch.int64).contiguous(), 1, 1, True,
                               lut, hist=hist)
     return q, k, kq, fast.unpack_witness(rho, fine=True), valid, exact, stats, hist, bands
@@ -63,7 +63,7 @@ def check_hist_box_ge_reference(case):
     q, k, kq, rho, valid, exact, stats, hist, bands = build(case)
     N, D = case["N"], case["D"]
     R = hist.shape[0] * hist.shape[2]
-    st5, h = stats.reshape(R, 5), hist.reshape(R, 3 * box.HIST_K)
+    st5, h = stats.reshape(R, 5), hist.reshape(R, hist.shape[-1])
     bins = box.hist_bins(h, st5, 8, N, D)
     got, grid = box.box_bound_enclosed(*bins)
     u0, u1, l0, l1 = (t.tolist() for t in grid)

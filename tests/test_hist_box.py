@@ -59,7 +59,7 @@ def test_hist_k_is_the_kernels():
 
 @cases
 def test_every_token_fits_under_a_bin_of_its_row(case):
-    q, k, kq, rho, valid, exact, stats, hist, _ = _read(case)
+    q, k, kq, rho, valid, exact, stats, hist, _ = _read(case, box.HIST_K)
     D, G, N = case["D"], case["G"], case["N"]
     c = _token_c(q, rho, valid, exact, D, G)
     K = box.HIST_K
@@ -101,7 +101,7 @@ def _true_tv(q, k, kq, valid, G):
 
 @cases
 def test_hist_box_bounds_the_true_tv_and_is_near_the_token_box(case):
-    q, k, kq, rho, valid, exact, stats, hist, bands = _read(case)
+    q, k, kq, rho, valid, exact, stats, hist, bands = _read(case, box.HIST_K)  # every bin kept: the binning's looseness
     D, N = case["D"], case["N"]
     if exact is not None:  # a token flagged exact holds its exact key (c = 0 there): the truth is what is stored
         k = torch.where(exact.bool()[..., None], fast.dequantize(kq), k)
@@ -139,7 +139,44 @@ def test_above_skips_the_rows_already_below_it():
     assert bool((every["box"] < closed).all())  # int4 with c over several octaves: the box is tighter on every row
 
 
-@pytest.mark.parametrize("what", ["shape", "dtype", "uncertified"])
+def _merged(h, M):
+    """A full histogram row [3 HIST_K] with neighbours merged until M bins are left, as csrc hist_emit does (the pair
+    whose merge widens least, W_i (c_i+1 - c_i), the lowest on a tie, NaN as +inf), as [3 M]."""
+    K = h.shape[0] // 3
+    m = int((h[2 * K:] > 0).sum())
+    c, w, n = (h[i * K:i * K + m].tolist() for i in range(3))
+    while len(c) > M:
+        costs = [w[i] * (c[i + 1] - c[i]) for i in range(len(c) - 1)]
+        best = min(range(len(costs)), key=lambda i: (not costs[i] < math.inf, costs[i] if costs[i] < math.inf else 0, i))
+        w[best + 1] += w[best]
+        n[best + 1] += n[best]
+        del c[best], w[best], n[best]
+    out = torch.zeros(3, M, dtype=torch.float64)
+    out[:, :len(c)] = torch.tensor([c, w, n], dtype=torch.float64)
+    return out.flatten()
+
+
+@pytest.mark.parametrize("M", [1, 3, 8])
+def test_few_bins_merge_neighbours_and_stay_sound(M):
+    """A histogram of M bins (fewer than a row's occupied ones) is the full one with its neighbours merged (same bits),
+    and its box still bounds the true TV."""
+    case = LONG[0]
+    q, k, kq, rho, valid, exact, stats, full, _ = _read(case, box.HIST_K)
+    *_, stats_m, few, _ = _read(case, M)
+    assert torch.equal(stats, stats_m)
+    B, H = full.shape[0], full.shape[2]
+    rows_full, rows_few = full.reshape(B * H, -1), few.reshape(B * H, -1)
+    assert bool(((rows_full[:, 2 * box.HIST_K:] > 0).sum(-1) > M).all())  # every row merges
+    for r in range(B * H):
+        assert torch.equal(rows_few[r], _merged(rows_full[r], M)), f"row {r} is not the full histogram, merged"
+    k = torch.where(exact.bool()[..., None], fast.dequantize(kq), k)
+    cert = cpu_fused._certificate(stats, 8, case["N"], case["D"])
+    got = box.hist_box(cert, few, stats, 8, case["N"], case["D"])["box"][:, 0].double()
+    tv = _true_tv(q, k, kq, valid.bool(), case["G"])
+    assert bool((got >= tv).all()), f"unsound with {M} bins: box {got.tolist()} < TV {tv.tolist()}"
+
+
+@pytest.mark.parametrize("what", ["shape", "too many bins", "dtype", "uncertified"])
 def test_bad_hist_one_value_error(what):
     g = torch.Generator().manual_seed(0)
     kq = fast.quantize(torch.randn(1, 1, 20, 64, generator=g), "int8", group_size=64)
@@ -149,7 +186,9 @@ def test_bad_hist_one_value_error(what):
                        v_scales=kq.scales.contiguous().view(torch.int16), rho=rho)
     shape, dtype, certify = (1, 1, 1, 3 * box.HIST_K), torch.float64, True
     if what == "shape":
-        shape = (1, 1, 1, box.HIST_K)
+        shape = (1, 1, 1, 100)  # not 3 M
+    elif what == "too many bins":
+        shape = (1, 1, 1, 3 * box.HIST_K + 3)
     elif what == "dtype":
         dtype = torch.float32
     else:

@@ -340,6 +340,7 @@ def box_form_of_read(cert, w, c, e, vmask, D, lo=None, hi=None):
 
 HIST_KEY0, HIST_KEY1 = 113 << 4, 135 << 4  # csrc hist_add: the grid values 2^-14 and 2^8 (fp32 bits >> 19)
 HIST_K = HIST_KEY1 - HIST_KEY0 + 2         # the grid values from 2^-14 to 2^8, then the overflow bin
+HIST_M = 64  # bins a row's histogram keeps (csrc hist_emit: more occupied ones merge in pairs; SmolLM2's rows: <= 42)
 
 
 def hist_grid():
@@ -352,10 +353,10 @@ def hist_grid():
 def hist_bins(hist, stats, NB, N, D):
     """The pseudo-tokens of hist_box (one per occupied bin, then empty ones: q = 0, interval [0, 0], nothing in box_e)
     for R rows: (q_lo, q_hi, lo, hi) [R, M] fp64 contiguous, M the most occupied bins of a row (module doc of
-    hist_box). hist [R, 3 HIST_K] (the kernel's: each row's occupied bins first), stats [R, 5] fp64."""
-    occ_all = hist[:, 2 * HIST_K:] > 0
-    M = max(int(occ_all.sum(-1).max()), 1) if len(hist) else 1
-    cb, Wk, nk = (hist[:, i * HIST_K:i * HIST_K + M] for i in range(3))
+    hist_box). hist [R, 3 K] (the kernel's: each row's occupied bins first), stats [R, 5] fp64."""
+    K = hist.shape[1] // 3
+    M = max(int((hist[:, 2 * K:] > 0).sum(-1).max()), 1) if len(hist) else 1
+    cb, Wk, nk = (hist[:, i * K:i * K + M] for i in range(3))
     occ = nk > 0
     e = stats[:, 4].numpy()
     e_up, e_dn = (t.view(-1, 1) for t in _exp_enclosure(e, D))
@@ -372,10 +373,11 @@ def hist_bins(hist, stats, NB, N, D):
 def hist_box(cert, hist, stats, NB, N, D, above=0.0):
     """Add the box form to a fused read's certificate: cert ([B, T, H] fp32 dict, fast.core.cpu_fused._certificate of
     stats [B, T, H, 5], the kernel's Z, S1, S2, max c^, e) gets cert["box"] and cert["min"] = min(min, box), the box
-    computed on the rows whose min > above (the others' box: 1). hist [B, T, H, 3 HIST_K]: the kernel's histogram
+    computed on the rows whose min > above (the others' box: 1). hist [B, T, H, 3 K]: the kernel's histogram
     (cpu_fused._run(hist=...)): the tokens of a row binned by the grid value (1 + i/16) 2^e their c^_j rounds up to
     (hist_grid), per row its occupied bins k in order: the largest c^_j of the bin's tokens g_k (+inf: the overflow
-    bin, c^ > 2^8), the fp64 sum W_k of their weights w_j and their count n_k, then zeros. N: the token count the
+    bin, c^ > 2^8), the fp64 sum W_k of their weights w_j and their count n_k, then zeros (a row with more than K
+    occupied bins: neighbours merged in pairs, csrc hist_emit; a group of tokens like any bin). N: the token count the
     epilogue used (>= each row's).
 
     Each bin is one pseudo-token of Box.v (spec T9c, proofs/BoxMerge.v box_e_merge): its tokens share the interval
@@ -392,7 +394,7 @@ def hist_box(cert, hist, stats, NB, N, D, above=0.0):
     st = stats.reshape(R, 5)
     sel = (cert["min"].reshape(R) > above).nonzero().flatten()
     if len(sel):
-        bound, _ = box_bound_enclosed(*hist_bins(hist.reshape(R, 3 * HIST_K)[sel], st[sel], NB, N, D))
+        bound, _ = box_bound_enclosed(*hist_bins(hist.reshape(R, hist.shape[-1])[sel], st[sel], NB, N, D))
         r_w = torch.from_numpy(weight_rounding(st[sel, 4].numpy(), N, D))
         box[sel] = up32(up64(bound + r_w).clamp(max=1.0))
     cert["box"] = box.view(B, T, H)

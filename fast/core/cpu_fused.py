@@ -184,9 +184,10 @@ def _run(q, qpos, segs, s, bands, ngk, ngv, certify, lut=None, scalar=False, out
     bound's sums (csrc Args.vstats: segment 0's v_err, seg()): vstats [B, T, H, 3] fp64 (sum_j w_j e_j, max e_j,
     max r_j >= ||v~_j - centre||, over each row's tokens) and vmax [B, Hkv, D] fp32 (max |v~| per channel), for
     fast.core.attention.output_error_from_sums.
-    hist (certify): an fp64 contiguous [B, T, H, 3 HIST_K] tensor the kernel fills with each row's histogram of c^
-    (csrc: hist_add; its occupied bins first: largest c^, sum of w, count; fast.core.box.hist_box turns it into the box
-    form)."""
+    hist (certify): an fp64 contiguous [B, T, H, 3 M] tensor (1 <= M <= HIST_K; box.HIST_M the default) the kernel
+    fills with each row's histogram of c^ (csrc: hist_add, hist_emit; its occupied bins first: largest c^, sum of w,
+    count; more than M occupied: neighbours merged in pairs until they fit; fast.core.box.hist_box turns it into the
+    box form)."""
     B, T, H, D, NB = _checked_run(q, qpos, segs, s, bands, ngk, ngv, certify, lut)
     if dither_F is not None:
         if not (certify and segs[0]["c"].n and segs[0]["c"].dith):
@@ -213,11 +214,12 @@ def _run(q, qpos, segs, s, bands, ngk, ngv, certify, lut=None, scalar=False, out
         from fast.core.box import HIST_K
         if not certify:
             raise ValueError("hist: the box form's histogram is for a certified read")
-        if not (isinstance(hist, torch.Tensor) and hist.dtype == torch.float64 and tuple(hist.shape) == (B, T, H, 3 * HIST_K)
-                and hist.is_contiguous() and hist.is_cpu):
-            raise ValueError(f"hist: fp64 contiguous CPU {(B, T, H, 3 * HIST_K)}, got {getattr(hist, 'dtype', hist)} "
-                             f"{tuple(getattr(hist, 'shape', ()))}")
-        a.hist = hist.data_ptr()
+        shape = tuple(getattr(hist, "shape", ()))
+        if not (isinstance(hist, torch.Tensor) and hist.dtype == torch.float64 and shape[:3] == (B, T, H) and len(shape) == 4
+                and shape[3] % 3 == 0 and 3 <= shape[3] <= 3 * HIST_K and hist.is_contiguous() and hist.is_cpu):
+            raise ValueError(f"hist: fp64 contiguous CPU {(B, T, H)} + (3 M,), 1 <= M <= {HIST_K}, got "
+                             f"{getattr(hist, 'dtype', hist)} {shape}")
+        a.hist, a.hist_m = hist.data_ptr(), shape[3] // 3
     vres = None
     if value is not None:
         if not certify:

@@ -18,7 +18,7 @@ import torch
 from fast.core.threads import read_threads
 
 SRC = Path(__file__).resolve().parent / "csrc" / "cpu_fused.cpp"
-ABI = 12  # csrc: kvcert_fused_abi (bumped with every change of Seg / Args or of an entry point's arguments)
+ABI = 13  # csrc: kvcert_fused_abi (bumped with every change of Seg / Args or of an entry point's arguments)
 FLAGS = ["-O3", "-g", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp", "-fopenmp-simd", "-fPIC", "-shared", "-std=c++17"]
 
 
@@ -54,7 +54,7 @@ class _Args(ctypes.Structure):
                 ("kmax", ctypes.c_void_p), ("nanflag", ctypes.c_void_p), ("certify", ctypes.c_int),
                 ("threads", ctypes.c_int), ("chunk", ctypes.c_int64), ("dF", ctypes.c_double), ("dstats", ctypes.c_void_p),
                 ("vstats", ctypes.c_void_p), ("vmax", ctypes.c_void_p), ("vctr", ctypes.c_void_p), ("v_margin", ctypes.c_double),
-                ("hist", ctypes.c_void_p)]
+                ("hist", ctypes.c_void_p), ("hist_m", ctypes.c_int64)]
 
 
 class _EpiConst(ctypes.Structure):

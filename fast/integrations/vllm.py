@@ -99,7 +99,7 @@ import torch
 
 from fast.core import cpu_fused
 from fast.core.attention import attention_rows  # the torch twin: where the fused read does not apply
-from fast.core.box import HIST_K, hist_box
+from fast.core.box import HIST_M, hist_box
 from fast.core.certify import logit_rounding, with_other_logits
 from fast.core.quant import dequantize, quantize
 from fast.core.rope import rope_bands
@@ -740,7 +740,7 @@ def _backend_classes():
             lut = log_table32(fine=True) if self.packed and certify else None
             hist = None
             if certify and self.cfg.box:  # the box form's histogram of c, carried after the five stats (_finish)
-                hist = torch.empty(*q.shape[:3], 3 * HIST_K, dtype=torch.float64)
+                hist = torch.empty(*q.shape[:3], 3 * HIST_M, dtype=torch.float64)
             out, stats = cpu_fused._run(q.contiguous(), qpos, [s0, self._empty_seg()], self.scale, self._bands64, 1, 1, certify,
                                         lut=lut, out=out, hist=hist)
             return out, stats if hist is None else torch.cat([stats, hist], -1)

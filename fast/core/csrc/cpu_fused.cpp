@@ -272,10 +272,12 @@ struct Args {
     float* vmax;
     const float* vctr;
     double v_margin;
-    // the box form over a histogram of c (fast.core.box.hist_box, spec T9c), when hist is not null: [B, T, H, 3, HIST_K],
+    // the box form over a histogram of c (fast.core.box.hist_box, spec T9c), when hist is not null: [B, T, H, 3, hist_m],
     // per row its occupied bins in increasing order, then zeros: the largest c^_j of the bin's tokens (+inf for the
-    // overflow bin), the fp64 sum of their w_j and their count (hist_add)
+    // overflow bin), the fp64 sum of their w_j and their count (hist_add). 1 <= hist_m <= HIST_K: a row with more
+    // occupied bins has them merged in pairs (hist_emit) until they fit
     double* hist;
+    int64_t hist_m;
 };
 
 inline int64_t tok_pos(const Seg& sg, int64_t b, int64_t h, int64_t j, int64_t pos0) {
@@ -1052,6 +1054,40 @@ inline void hist_add(double* hs, float c, float w) {
     hs[2 * HIST_K + k] = std::max(hs[2 * HIST_K + k], (double)c);
 }
 
+// One row's histogram out: its occupied bins (acc [3 HIST_K]: sums of w, counts, largest c^) in increasing order into
+// ho [3 M] (largest c^, +inf for the overflow bin; sum of w; count), zeros after. While more than M are occupied, the
+// neighbours i, i + 1 whose merge widens least, W_i (c_i+1 - c_i) (the lowest i on a tie; NaN counts as +inf), merge:
+// the larger c^, the sums of w and counts added. Any grouping is sound for the box (each token's interval widened to
+// its group's, then T9c); this one keeps the widening small where the weight is.
+inline void hist_emit(const double* acc, double* ho, int64_t M) {
+    double c[HIST_K], w[HIST_K], n[HIST_K];
+    int64_t m = 0;
+    for (int64_t k = 0; k < HIST_K; ++k)
+        if (acc[HIST_K + k] > 0) {
+            c[m] = k == HIST_K - 1 ? INFINITY : acc[2 * HIST_K + k];
+            w[m] = acc[k];
+            n[m] = acc[HIST_K + k];
+            ++m;
+        }
+    for (; m > M; --m) {
+        int64_t best = 0;
+        double least = INFINITY;
+        for (int64_t i = 0; i + 1 < m; ++i) {
+            const double cost = w[i] * (c[i + 1] - c[i]);
+            if (cost < least) least = cost, best = i;
+        }
+        w[best + 1] = w[best] + w[best + 1];
+        n[best + 1] = n[best] + n[best + 1];
+        for (int64_t i = best; i + 1 < m; ++i) c[i] = c[i + 1], w[i] = w[i + 1], n[i] = n[i + 1];
+    }
+    for (int64_t i = 0; i < M; ++i) {
+        const bool on = i < m;
+        ho[i] = on ? c[i] : 0.0;
+        ho[M + i] = on ? w[i] : 0.0;
+        ho[2 * M + i] = on ? n[i] : 0.0;
+    }
+}
+
 inline double tree8(const double* x) { return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7])); }
 
 // One row's sums over a chunk of L tokens: w the weights, o the readable mask, rt the witness band-major
@@ -1775,16 +1811,7 @@ void run_args(const Args& a) {
                 for (int64_t k = 0; k < 2 * HIST_K; ++k) acc[k] += hc[k];
                 for (int64_t k = 2 * HIST_K; k < 3 * HIST_K; ++k) acc[k] = std::max(acc[k], hc[k]);
             }
-            double* ho = a.hist + row * 3 * HIST_K;
-            int64_t m = 0;
-            for (int64_t k = 0; k < HIST_K; ++k)
-                if (acc[HIST_K + k] > 0) {
-                    ho[m] = k == HIST_K - 1 ? INFINITY : acc[2 * HIST_K + k];
-                    ho[HIST_K + m] = acc[k];
-                    ho[2 * HIST_K + m] = acc[HIST_K + k];
-                    ++m;
-                }
-            for (; m < HIST_K; ++m) ho[m] = ho[HIST_K + m] = ho[2 * HIST_K + m] = 0.0;
+            hist_emit(acc, a.hist + row * 3 * a.hist_m, a.hist_m);
         }
     }
     if (a.vstats && a.vmax)
@@ -1875,7 +1902,7 @@ int epilogue(const double* st, int64_t rows, const EpiConst& k, float* out) {
 
 extern "C" {
 
-int kvcert_fused_abi() { return 12; }
+int kvcert_fused_abi() { return 13; }
 
 int64_t kvcert_hist_k() { return HIST_K; }
 
