@@ -2,11 +2,11 @@
 
     nice -n 10 python -m benchmarks.vllm_tight            # -> results/vllm_tight.json
 
-One engine per (codec, box) in shadow mode over the passkey prompts of benchmarks.vllm_bench (every
-prefill and decode row, layer and head; truth from the exact keys captured before the cast): checks,
-violations, share of reads with bound <= 0.2, median and p90 bound / true TV, the engine's seconds. Then
-the gate certified:TAU per codec with the box form: (layer, KV head) repairs per request (of 90) and
-passkey accuracy with and without the gate, side-store bytes.
+One engine per (codec, box) in shadow mode, the band witness at --bands bands (KVCERT_BANDS, 8 by default),
+over the passkey prompts of benchmarks.vllm_bench (every prefill and decode row, layer and head; truth from the
+exact keys captured before the cast): checks, violations, share of reads with bound <= 0.2, median and p90 bound /
+true TV, the engine's seconds. Then the gate certified:TAU per codec with the box form: (layer, KV head) repairs
+per request (of 90) and passkey accuracy with and without the gate, side-store bytes.
 """
 
 import argparse
@@ -20,7 +20,7 @@ import time
 def _tables(res):
     sound = {"title": "kvcert inside vLLM, tighter certificates: soundness in shadow mode (every row, layer and head "
                       f"of {res['prompts']} passkey prompts of ~{res['prompt_tokens'][0]} tokens; truth from the exact "
-                      "keys captured before the cast); box: KVCERT_BOX=1",
+                      f"keys captured before the cast); band witness of {res.get('bands', 8)} bands; box: KVCERT_BOX=1",
              "header": ["codec", "certificate", "checks", "violations", "reads with bound <= 0.2",
                         "bound / true TV: median [p90]", "engine seconds"],
              "rows": [[r["codec"], "band witness + box form" if r["box"] else "band witness (closed forms)", r["checks"],
@@ -43,6 +43,7 @@ def main(argv=None):
     ap.add_argument("--decode-tokens", type=int, default=8)
     ap.add_argument("--codecs", default="int8,fp8_e4m3")
     ap.add_argument("--gate", default="certified:0.2")
+    ap.add_argument("--bands", type=int, default=8, help="KVCERT_BANDS: the band witness's bands per head")
     ap.add_argument("--out", default="results/vllm_tight.json")
     args = ap.parse_args(argv)
     start = time.time()
@@ -57,12 +58,12 @@ def main(argv=None):
     res = {"command": "python -m benchmarks.vllm_tight " + shlex.join(argv if argv is not None else sys.argv[1:]),
            "model": "SmolLM2-135M-Instruct (fp32)", "prompts": len(prompts),
            "prompt_tokens": [len(p["prompt_token_ids"]) for p, _ in prompts], "decode_tokens": args.decode_tokens,
-           "gate": args.gate, "soundness": [], "gates": []}
+           "gate": args.gate, "bands": args.bands, "soundness": [], "gates": []}
     plain = {}
     runs = [(c, box) for c in codecs for box in (False, True)]
     for codec, box in tqdm(runs, desc="shadow engines"):
         t = time.time()
-        llm = _engine(model, codec=codec, shadow=True, box=box)
+        llm = _engine(model, codec=codec, shadow=True, box=box, bands=args.bands)
         ok, _ = _answers(llm, prompts, n=args.decode_tokens)  # served: the codec's certified reads, no gate
         plain.setdefault(codec, ok)
         recs = [r for p in collect(llm) for r in p["records"]]
@@ -70,7 +71,7 @@ def main(argv=None):
         res["soundness"].append({"codec": codec, "box": box, **soundness(recs), "seconds": time.time() - t})
     for codec in tqdm(codecs, desc="gated engines"):
         ok_plain = plain[codec]
-        llm = _engine(model, codec=codec, gate=args.gate, box=True)
+        llm = _engine(model, codec=codec, gate=args.gate, box=True, bands=args.bands)
         ok_gate, outs = _answers(llm, prompts, n=args.decode_tokens)
         parts = collect(llm)
         del llm
