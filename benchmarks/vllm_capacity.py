@@ -24,7 +24,8 @@ model on CPU; vLLM's CPU bf16 path is another kernel): its capacity is the fp32 
         --engines "kvcert int8, packed page (no certificate)|kvcert int8, packed page, certified"
 
 --box: the certified int8 engine of the pair with the box form too (KVCERT_BOX=1, --box-above its
-KVCERT_BOX_ABOVE): the cost of the tighter certificate under the same load.
+KVCERT_BOX_ABOVE): the cost of the tighter certificate under the same load. --bands: the band witness's bands per
+head of every kvcert engine (KVCERT_BANDS, 8 by default; the certified pages' bytes grow by one per band).
 """
 
 import argparse
@@ -68,6 +69,8 @@ def _start(model, name, args, per_req, warm):
     """(engine, its row: capacity, kvcert's bytes) after a warm-up request (warm: a prompt)."""
     from vllm import SamplingParams
     kw = ENGINES[name][0]
+    if kw is not None and args.bands != 8:
+        kw = {**kw, "bands": args.bands}
     if args.box and name == PAIR[1]:  # the certified int8 engine with the box form (its histogram of c, spec T9c)
         kw = {**kw, "box": True, "box_above": args.box_above}
     llm = _llm(model, kw, args.budget_mib << 20, args.max_model_len, args.batched_tokens)
@@ -161,7 +164,8 @@ def table(res):
     cost = res.get("cert_cost")
     cost = (f"; int8's certificates cost {100 * cost['median']:.1f}% of tokens/s under this load (median of {cost['rounds']} "
             f"rounds in turn, range {100 * cost['min']:.1f}% to {100 * cost['max']:.1f}%)") if cost else ""
-    return {"title": f"kvcert inside vLLM: KV capacity and throughput at one KV budget of {res['budget_mib']} MiB "
+    bands = f", witness of {res['bands']} bands" if res.get("bands", 8) != 8 else ""
+    return {"title": f"kvcert inside vLLM: KV capacity and throughput at one KV budget of {res['budget_mib']} MiB{bands} "
                      f"(SmolLM2-135M fp32, CPU; {res['requests']} requests of ~{res['prompt_tokens_median']} prompt "
                      f"tokens + {res['max_tokens']} generated, submitted at once){cost}",
             "header": ["engine", "KV capacity (tokens)", "max concurrency", "capacity vs fp32", "requests/s",
@@ -181,6 +185,7 @@ def main(argv=None):
     ap.add_argument("--engines", default="", help="'|'-separated engine names (default: all)")
     ap.add_argument("--box", action="store_true", help="the certified int8 engine with the box form (KVCERT_BOX=1)")
     ap.add_argument("--box-above", type=float, default=0.0, help="KVCERT_BOX_ABOVE of that engine (0: the box on every row)")
+    ap.add_argument("--bands", type=int, default=8, help="KVCERT_BANDS of every kvcert engine")
     ap.add_argument("--out", default="results/vllm_capacity.json")
     args = ap.parse_args(argv)
     start = time.time()
@@ -189,8 +194,8 @@ def main(argv=None):
     from transformers import AutoTokenizer
 
     from benchmarks.vllm_bench import _prompts
-    from fast.integrations.vllm import packed_row_bytes, smollm2_dir
-    model = str(smollm2_dir())
+    from fast.integrations.vllm import packed_row_bytes as row, smollm2_dir
+    model, nb = str(smollm2_dir()), args.bands
     prompts = [p for p, _ in _prompts(AutoTokenizer.from_pretrained(model), args.requests, args.filler)]
     rows, per_req, cost = run(model, prompts, args)
     lens = sorted(len(p["prompt_token_ids"]) for p in prompts)
@@ -198,12 +203,12 @@ def main(argv=None):
     res = {"command": "python -m benchmarks.vllm_capacity " + shlex.join(argv if argv is not None else sys.argv[1:]),
            "machine": {"platform": platform.platform(), "cores": os.cpu_count()},
            "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
-           "model": "SmolLM2-135M-Instruct (fp32)", "budget_mib": args.budget_mib, "requests": len(prompts),
+           "model": "SmolLM2-135M-Instruct (fp32)", "budget_mib": args.budget_mib, "bands": args.bands, "requests": len(prompts),
            "prompt_tokens_median": lens[len(lens) // 2], "max_tokens": args.max_tokens, "tokens_per_request": per_req,
-           "bytes_per_slot_kv_head": {"fp32": 2 * 64 * 4, "bf16": 2 * 64 * 2, "int8 packed (certified)": packed_row_bytes(64, 8),
-                                      "int8 packed (no certificate)": packed_row_bytes(64, 8, certify=False),
-                                      "fp8_per_token_head packed (certified)": packed_row_bytes(64, 8, True, "fp8_per_token_head"),
-                                      "int4_per_token_head packed (certified)": packed_row_bytes(64, 8, True, "int4_per_token_head")},
+           "bytes_per_slot_kv_head": {"fp32": 2 * 64 * 4, "bf16": 2 * 64 * 2, "int8 packed (certified)": row(64, nb),
+                                      "int8 packed (no certificate)": row(64, nb, certify=False),
+                                      "fp8_per_token_head packed (certified)": row(64, nb, True, "fp8_per_token_head"),
+                                      "int4_per_token_head packed (certified)": row(64, nb, True, "int4_per_token_head")},
            "engines": rows, "cert_cost": cost}
     if base is not None:
         cap = 2 * base["capacity_tokens"]
