@@ -28,8 +28,8 @@ CASE = st.fixed_dictionaries({
 
 
 def build(case, M=box.HIST_M):
-    """One certified decode read (T = 1) through the kernel with its histogram of M bins a row (more occupied: merged
-    in pairs): (q, k, kq, rho, valid, exact, stats, hist, bands)."""
+    """One certified decode read (T = 1) through the kernel with its histogram of M bins a row (more occupied: neighbours
+    merged): (q, k, kq, rho, valid, exact, stats, hist, bands)."""
     g = torch.Generator().manual_seed(case["seed"])
     B, Hkv, G, N, D = case["B"], case["Hkv"], case["G"], case["N"], case["D"]
     H = Hkv * G

@@ -340,7 +340,7 @@ def box_form_of_read(cert, w, c, e, vmask, D, lo=None, hi=None):
 
 HIST_KEY0, HIST_KEY1 = 113 << 4, 135 << 4  # csrc hist_add: the grid values 2^-14 and 2^8 (fp32 bits >> 19)
 HIST_K = HIST_KEY1 - HIST_KEY0 + 2         # the grid values from 2^-14 to 2^8, then the overflow bin
-HIST_M = 64  # bins a row's histogram keeps (csrc hist_emit: more occupied ones merge in pairs; SmolLM2's rows: <= 42)
+HIST_M = 64  # bins a row's histogram keeps (csrc hist_emit: more occupied ones merge with neighbours; SmolLM2's rows: <= 42)
 
 
 def hist_grid():
@@ -377,7 +377,7 @@ def hist_box(cert, hist, stats, NB, N, D, above=0.0):
     (cpu_fused._run(hist=...)): the tokens of a row binned by the grid value (1 + i/16) 2^e their c^_j rounds up to
     (hist_grid), per row its occupied bins k in order: the largest c^_j of the bin's tokens g_k (+inf: the overflow
     bin, c^ > 2^8), the fp64 sum W_k of their weights w_j and their count n_k, then zeros (a row with more than K
-    occupied bins: neighbours merged in pairs, csrc hist_emit; a group of tokens like any bin). N: the token count the
+    occupied bins: neighbours merged, csrc hist_emit; a group of tokens like any bin). N: the token count the
     epilogue used (>= each row's).
 
     Each bin is one pseudo-token of Box.v (spec T9c, proofs/BoxMerge.v box_e_merge): its tokens share the interval
