@@ -146,8 +146,11 @@ def _merged(h, M):
     m = int((h[2 * K:] > 0).sum())
     c, w, n = (h[i * K:i * K + m].tolist() for i in range(3))
     while len(c) > M:
-        costs = [w[i] * (c[i + 1] - c[i]) for i in range(len(c) - 1)]
-        best = min(range(len(costs)), key=lambda i: (not costs[i] < math.inf, costs[i] if costs[i] < math.inf else 0, i))
+        best, least = 0, math.inf
+        for i in range(len(c) - 1):
+            cost = w[i] * (c[i + 1] - c[i])
+            if cost < least:  # NaN and +inf never win
+                best, least = i, cost
         w[best + 1] += w[best]
         n[best + 1] += n[best]
         del c[best], w[best], n[best]
