@@ -23,7 +23,9 @@ CMAG = {"tiny": 1e-6, "ordinary": 0.2, "large": 3.0, "huge": 60.0, "edge": 599.0
 
 def build(case):
     """q_lo, q_hi, lo, hi [R, n] fp64 of a case: an enclosure of a softmax (relative width `qw`), some tokens with
-    q = 0 (`zeros`), a row all zero (`zero_row`), asymmetric intervals [-c1 + shift, c2 + shift] (`asym`)."""
+    q = 0 (`zeros`), a row all zero (`zero_row`), asymmetric intervals [-c1 + shift, c2 + shift] (`asym`); symmetric
+    intervals [-c, c] with c nondecreasing along the row (`sorted`: a histogram's bins, the C++ one-pass threshold
+    box_lambda_vee) and `pad` empty tokens after (q = 0, interval [0, 0]: hist_bins' padding, trimmed in C++)."""
     g = torch.Generator().manual_seed(case["seed"])
     R, n = case["rows"], case["n"]
     q = torch.softmax(torch.randn(R, n, generator=g, dtype=torch.float64) * LOGIT[case["logit"]], -1)
@@ -37,14 +39,17 @@ def build(case):
     c1 = torch.rand(R, n, generator=g, dtype=torch.float64) * m
     c2 = c1 if not case["asym"] else torch.rand(R, n, generator=g, dtype=torch.float64) * m
     shift = (torch.rand(R, 1, generator=g, dtype=torch.float64) - 0.5) * m if case["asym"] else 0.0
+    if case.get("sorted") and not case["asym"]:
+        c1 = c2 = c1.sort(-1).values
     lo, hi = -c1 + shift, c2 + shift
-    return q_lo, q_hi, lo.contiguous(), hi.contiguous()
+    pad = torch.zeros(R, case.get("pad", 0), dtype=torch.float64)
+    return tuple(torch.cat([t, pad], 1).contiguous() for t in (q_lo, q_hi, lo, hi))
 
 
 CASE = st.fixed_dictionaries({
     "seed": st.integers(0, 2**31 - 1), "rows": st.integers(1, 3), "n": st.integers(1, 40),
     "logit": st.sampled_from(sorted(LOGIT)), "c": st.sampled_from(sorted(CMAG)), "qw": st.sampled_from([0.0, 1e-9, 1e-3, 0.3]),
-    "zeros": st.booleans(), "zero_row": st.booleans(), "asym": st.booleans()})
+    "zeros": st.booleans(), "zero_row": st.booleans(), "asym": st.booleans(), "sorted": st.booleans(), "pad": st.integers(0, 4)})
 
 
 def _chains(grid):
@@ -55,6 +60,8 @@ def _chains(grid):
 @settings(max_examples=150, deadline=None)
 @example(case={"seed": 0, "rows": 2, "n": 1, "logit": "ordinary", "c": "ordinary", "qw": 0.0, "zeros": False, "zero_row": False, "asym": False})
 @example(case={"seed": 1, "rows": 3, "n": 40, "logit": "peaked", "c": "edge", "qw": 1e-3, "zeros": True, "zero_row": True, "asym": True})
+@example(case={"seed": 2, "rows": 3, "n": 30, "logit": "ordinary", "c": "large", "qw": 1e-3, "zeros": True, "zero_row": False,
+               "asym": False, "sorted": True, "pad": 4})
 @given(case=CASE)
 def test_cpp_is_the_torch_bound(case):
     q_lo, q_hi, lo, hi = build(case)
@@ -92,7 +99,8 @@ def test_overflowing_multiplier_is_not_nan():
 SMALL = st.fixed_dictionaries({
     "seed": st.integers(0, 2**31 - 1), "rows": st.integers(1, 2), "n": st.integers(1, 12),
     "logit": st.sampled_from(sorted(LOGIT)), "c": st.sampled_from(["tiny", "ordinary", "large", "huge"]),
-    "qw": st.sampled_from([0.0, 1e-9, 1e-3]), "zeros": st.booleans(), "zero_row": st.just(False), "asym": st.booleans()})
+    "qw": st.sampled_from([0.0, 1e-9, 1e-3]), "zeros": st.booleans(), "zero_row": st.just(False), "asym": st.booleans(),
+    "sorted": st.booleans(), "pad": st.integers(0, 3)})
 
 
 @workdps(60)

@@ -437,7 +437,7 @@ def test_vector_paths_same_bits_as_scalar(case):
     rep = f"case {json.dumps(case)}"
     assert torch.equal(got[0][0], got[1][0]), "output differs: " + rep
     assert torch.equal(got[0][1], got[1][1]), "stats differ: " + rep
-    if case["certify"]:  # the box form's histogram of c (csrc hist_add): every entry written, the same bits
+    if case["certify"]:  # the box form's histogram of c (csrc hist_chunk): every entry written, the same bits
         assert torch.equal(hists[0], hists[1]), "histograms differ: " + rep
 
 

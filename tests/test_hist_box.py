@@ -1,4 +1,4 @@
-"""The box form over the fused read's histogram of c (fast.core.box.hist_box, csrc hist_add; spec T9c).
+"""The box form over the fused read's histogram of c (fast.core.box.hist_box, csrc hist_chunk; spec T9c).
 
 Property: every token's witness bound (fast.core.witness.logit_error_bound64, fp64, from the stored witness) fits
 under the interval of a bin of its row (the bins' largest c^ cover the tokens' c sorted from the top, with their
@@ -71,7 +71,8 @@ def test_every_token_fits_under_a_bin_of_its_row(case):
         for h in range(H):
             m = int((n[b, h] > 0).sum())  # the occupied bins first, in increasing order, then zeros
             assert m >= 1 and bool((n[b, h, :m] > 0).all()) and not bool(cb[b, h, m:].any() or W[b, h, m:].any())
-            assert n[b, h].sum() == N and bool((n[b, h] == n[b, h].round()).all()) and bool((W[b, h] >= 0).all())
+            read = torch.ones(N, dtype=torch.bool) if valid is None else valid[b, h // G].bool()  # the tokens the row reads
+            assert n[b, h].sum() == int(read.sum()) and bool((n[b, h] == n[b, h].round()).all()) and bool((W[b, h] >= 0).all())
             assert math.isclose(float(W[b, h].sum()), float(stats[b, 0, h, 0]), rel_tol=1e-12)
             top = cb[b, h, :m]
             # one bin per grid value: the bins' largest c^ round up to distinct, increasing grid values; +inf only
@@ -80,9 +81,9 @@ def test_every_token_fits_under_a_bin_of_its_row(case):
             assert bool(torch.isfinite(fin).all()) and (len(fin) == m or float(c[b, h].max()) > 2.0 ** 8 * 0.99)
             k = torch.searchsorted(grid[:-1], fin)
             assert bool((k[1:] > k[:-1]).all()) and bool((fin <= grid[k]).all()), f"bins out of order: {case}"
-            assert _matched(c[b, h], n[b, h, :m], top * f * (1 + 1e-9)), f"a token above its bin: {case}"
+            assert _matched(c[b, h, read], n[b, h, :m], top * f * (1 + 1e-9)), f"a token above its bin: {case}"
             if len(fin) == m and float(top[-1]) > 0:  # the largest bin's value is its largest token's c^: any lower, it is out
-                assert not _matched(c[b, h], n[b, h, :m], top * f * (1 - 1e-4)), f"the mutant passed: {case}"
+                assert not _matched(c[b, h, read], n[b, h, :m], top * f * (1 - 1e-4)), f"the mutant passed: {case}"
 
 
 def _true_tv(q, k, kq, valid, G):

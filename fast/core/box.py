@@ -338,14 +338,14 @@ def box_form_of_read(cert, w, c, e, vmask, D, lo=None, hi=None):
 
 # ---- the box form over a histogram of c (spec T9c): the fused read's box ----
 
-HIST_KEY0, HIST_KEY1 = 113 << 4, 135 << 4  # csrc hist_add: the grid values 2^-14 and 2^8 (fp32 bits >> 19)
+HIST_KEY0, HIST_KEY1 = 113 << 4, 135 << 4  # csrc hist_bin: the grid values 2^-14 and 2^8 (fp32 bits >> 19)
 HIST_K = HIST_KEY1 - HIST_KEY0 + 2         # the grid values from 2^-14 to 2^8, then the overflow bin
 HIST_M = 64  # bins a row's histogram keeps (csrc hist_emit: more occupied ones merge with neighbours; SmolLM2's rows: <= 42)
 
 
 def hist_grid():
     """[HIST_K] fp64: bin k's grid value, the fp32 with bits (HIST_KEY0 + k) << 19 (every token of the bin has c^ <=
-    it: csrc hist_add bins c^ by the value it rounds up to), the overflow bin's +inf."""
+    it: csrc hist_bin bins c^ by the value it rounds up to), the overflow bin's +inf."""
     keys = torch.arange(HIST_KEY0, HIST_KEY1 + 1, dtype=torch.int32) << 19
     return torch.cat([keys.view(torch.float32).double(), torch.tensor([math.inf], dtype=torch.float64)])
 
@@ -374,7 +374,7 @@ def hist_box(cert, hist, stats, NB, N, D, above=0.0):
     """Add the box form to a fused read's certificate: cert ([B, T, H] fp32 dict, fast.core.cpu_fused._certificate of
     stats [B, T, H, 5], the kernel's Z, S1, S2, max c^, e) gets cert["box"] and cert["min"] = min(min, box), the box
     computed on the rows whose min > above (the others' box: 1). hist [B, T, H, 3 K]: the kernel's histogram
-    (cpu_fused._run(hist=...)): the tokens of a row binned by the grid value (1 + i/16) 2^e their c^_j rounds up to
+    (cpu_fused._run(hist=...)): the tokens a row reads (the others have q = 0) binned by the grid value (1 + i/16) 2^e their c^_j rounds up to
     (hist_grid), per row its occupied bins k in order: the largest c^_j of the bin's tokens g_k (+inf: the overflow
     bin, c^ > 2^8), the fp64 sum W_k of their weights w_j and their count n_k, then zeros (a row with more than K
     occupied bins: neighbours merged, csrc hist_emit; a group of tokens like any bin). N: the token count the

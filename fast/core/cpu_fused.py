@@ -185,7 +185,7 @@ def _run(q, qpos, segs, s, bands, ngk, ngv, certify, lut=None, scalar=False, out
     max r_j >= ||v~_j - centre||, over each row's tokens) and vmax [B, Hkv, D] fp32 (max |v~| per channel), for
     fast.core.attention.output_error_from_sums.
     hist (certify): an fp64 contiguous [B, T, H, 3 M] tensor (1 <= M <= HIST_K; box.HIST_M the default) the kernel
-    fills with each row's histogram of c^ (csrc: hist_add, hist_emit; its occupied bins first: largest c^, sum of w,
+    fills with each row's histogram of c^ (csrc: hist_chunk, hist_emit; the tokens the row reads; its occupied bins first: largest c^, sum of w,
     count; more than M occupied: neighbours merged until they fit; fast.core.box.hist_box turns it into the
     box form)."""
     B, T, H, D, NB = _checked_run(q, qpos, segs, s, bands, ngk, ngv, certify, lut)

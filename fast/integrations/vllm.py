@@ -705,18 +705,20 @@ def _backend_classes():
         def _read(self, q, kv_cache, table, N, pos, out=None):
             """One request's rows q [T, H, D] at positions pos over its N cached tokens (blocks table [1, >=
             ceil(N / bs)] int32): the fused C++ read in place from the paged cache (cpu_fused.paged_seg: the
-            kernel flags NaN/Inf; every row reads keys 0..pos) -> (out [1, T, H, D], kernel stats, None), the
-            certificate epilogue left to the caller; else the torch twin over the gathered keys (same contract)
-            -> (out, None, cert). The output is what the plugin serves."""
+            kernel flags NaN/Inf; every row reads keys 0..pos) -> (out [1, T, H, D], kernel stats, histogram or None,
+            None), the certificate epilogue left to the caller; else the torch twin over the gathered keys (same
+            contract) -> (out, None, None, cert). The output is what the plugin serves."""
             if self._fused():
                 return (*self._kernel(q[None], kv_cache, table, N, pos.view(1, -1), out, True), None)
-            return self._twin(q, kv_cache, table, N, pos, box_form=self.cfg.box)
+            out, _, cert = self._twin(q, kv_cache, table, N, pos, box_form=self.cfg.box)
+            return out, None, None, cert
 
         def _fused(self):
             return cpu_fused.available()
 
         def _kernel(self, q, kv_cache, table, N, qpos, out, certify, lens=None):
-            """The fused C++ read in place from the paged cache (fp32 rows, or the packed page) -> (out, stats):
+            """The fused C++ read in place from the paged cache (fp32 rows, or the packed page) -> (out, stats, hist):
+            stats [B, T, H, 5], hist [B, T, H, 3 HIST_M] (the box form's histogram of c, KVCERT_BOX) or None:
             q [B, T, H, D], qpos [B, T] int32, table [B, >= ceil(N / bs)]; lens int32 [B] (each sequence's own
             token count, N their largest) or None (every sequence N tokens)."""
             if getattr(self, "_bands64", None) is None:
@@ -739,22 +741,22 @@ def _backend_classes():
                                                             lens=lens)
             lut = log_table32(fine=True) if self.packed and certify else None
             hist = None
-            if certify and self.cfg.box:  # the box form's histogram of c, carried after the five stats (_finish)
+            if certify and self.cfg.box:  # the box form's histogram of c (_finish: hist_box)
                 hist = torch.empty(*q.shape[:3], 3 * HIST_M, dtype=torch.float64)
             out, stats = cpu_fused._run(q.contiguous(), qpos, [s0, self._empty_seg()], self.scale, self._bands64, 1, 1, certify,
                                         lut=lut, out=out, hist=hist)
-            return out, stats if hist is None else torch.cat([stats, hist], -1)
+            return out, stats, hist
 
         def _decode_batch(self, dec, q_all, out_all, kv_cache, md, certify):
             """The decode rows (one token each) of several requests (dec: _rows') in one kernel call (paged_seg(lens=...):
             each request reads its own N tokens only, in its own chunks: bit for bit its own read), served into out_all
-            -> (q [B, 1, H, D], table [B, w], stats [B, 1, H, 5] or None, out [B, 1, H, D])."""
+            -> (q [B, 1, H, D], table [B, w], stats [B, 1, H, 5] or None, hist (_kernel), out [B, 1, H, D])."""
             rows, tok, bi, lens, qpos = dec
             q = q_all.index_select(0, tok)[:, None]
             table = md.block_table.index_select(0, bi).to(torch.int32)
-            out, stats = self._kernel(q, kv_cache, table, max(r[2] for r in rows), qpos, None, certify, lens=lens)
+            out, stats, hist = self._kernel(q, kv_cache, table, max(r[2] for r in rows), qpos, None, certify, lens=lens)
             out_all.index_copy_(0, tok, out[:, 0].to(out_all.dtype))
-            return q, table, stats, out
+            return q, table, stats, hist, out
 
         def _rows(self, md):
             """This step's requests with rows: [(b, t0, t1, N)], and the decode ones (T = 1), read in one call when
@@ -788,7 +790,7 @@ def _backend_classes():
                 if dec and t1 - t0 == 1:
                     continue
                 pos = _positions(N - (t1 - t0), N)
-                out, _ = self._kernel(q_all[None, t0:t1], kv_cache, md.block_table[b:b + 1], N, pos.view(1, -1), None, False)
+                out, _, _ = self._kernel(q_all[None, t0:t1], kv_cache, md.block_table[b:b + 1], N, pos.view(1, -1), None, False)
                 out_all[t0:t1] = out[0].to(out_all.dtype)
 
         def _empty_seg(self):
@@ -832,9 +834,9 @@ def _backend_classes():
             entries = []
             rows, dec = self._rows(md)
             if dec:  # the decode rows of all requests in one call; one entry for them (a read of its own each)
-                q, table, stats, out = self._decode_batch(dec, q_all, out_all, kv_cache, md, True)
+                q, table, stats, hist, out = self._decode_batch(dec, q_all, out_all, kv_cache, md, True)
                 batch = {"impl": self, "layer": lidx, "batch": [ids[b] for b, _, _ in dec[0]], "Ns": [N for _, _, N in dec[0]],
-                         "stats": stats, "cert": None, "q": q, "table": table, "kv": kv_cache}
+                         "stats": stats, "hist": hist, "cert": None, "q": q, "table": table, "kv": kv_cache}
                 if now or self.cfg.records or self.cfg.trace_dir:  # gate, shadow or records: one entry per request
                     for i, (e, (_, t0, _)) in enumerate(zip(_unbatch(batch), dec[0])):
                         if vllm_out is not None:
@@ -852,10 +854,11 @@ def _backend_classes():
                 q = q_all[t0:t1]  # [T, H, D]
                 table = md.block_table[b:b + 1]
                 into = out_all[t0:t1].view(1, T, H, D) if direct else None  # served: the certified read
-                out, stats, cert = self._read(q, kv_cache, table, N, pos, out=into)
+                out, stats, hist, cert = self._read(q, kv_cache, table, N, pos, out=into)
                 if into is None:
                     out_all[t0:t1] = out[0].to(out_all.dtype)
-                e = {"impl": self, "request": ids[b], "layer": lidx, "N": N, "T": T, "pos": pos, "stats": stats, "cert": cert,
+                e = {"impl": self, "request": ids[b], "layer": lidx, "N": N, "T": T, "pos": pos, "stats": stats, "hist": hist,
+                     "cert": cert,
                      "q": q if now else q.clone(), "table": table if now else table.clone(), "kv": kv_cache}
                 if vllm_out is not None:  # vLLM's own kernel vs the certified read served, same cache
                     e["out_diff"] = float((vllm_out[t0:t1] - out[0]).abs().max())
@@ -974,7 +977,7 @@ def _backend_classes():
 def _unbatch(e):
     """A batch entry (_certify: the decode rows of several requests, one each) -> one entry per request."""
     return [{"impl": e["impl"], "request": rid, "layer": e["layer"], "N": N, "T": 1, "pos": _positions(N - 1, N),
-             "stats": e["stats"][i:i + 1], "cert": None, "q": e["q"][i], "table": e["table"][i:i + 1], "kv": e["kv"]}
+             "stats": e["stats"][i:i + 1], "hist": None if e["hist"] is None else e["hist"][i:i + 1], "cert": None, "q": e["q"][i], "table": e["table"][i:i + 1], "kv": e["kv"]}
             for i, (rid, N) in enumerate(zip(e["batch"], e["Ns"]))]
 
 
@@ -987,11 +990,12 @@ def _finish(entries):
     if pend:
         impl = pend[0]["impl"]
         H, D, NB = impl.num_heads, impl.head_size, impl._bands64.shape[0]
-        stats = torch.cat([e["stats"].reshape(-1, 1, H, e["stats"].shape[-1]) for e in pend])
+        stats = torch.cat([e["stats"].reshape(-1, 1, H, 5) for e in pend])
         N = max(max(e["Ns"]) if "batch" in e else e["N"] for e in pend)
-        cert = cpu_fused._certificate(stats[..., :5].contiguous(), NB, N, D)
+        cert = cpu_fused._certificate(stats, NB, N, D)
         if cert is not None and impl.cfg.box:  # the box over each row's histogram of c (spec T9c)
-            cert = hist_box(cert, stats[..., 5:], stats[..., :5], NB, N, D, above=impl.cfg.box_above)
+            hist = torch.cat([e["hist"].reshape(-1, 1, H, e["hist"].shape[-1]) for e in pend])
+            cert = hist_box(cert, hist, stats, NB, N, D, above=impl.cfg.box_above)
         if cert is not None:
             bound, i = cert["min"][:, 0], 0
             tops, sums = bound.amax(1).tolist(), bound.sum(1).tolist()  # per row, for the summaries
@@ -1012,9 +1016,9 @@ def _finish(entries):
             if cert is None:
                 impl, st = e["impl"], e["stats"]
                 NB, D = impl._bands64.shape[0], impl.head_size
-                cert = cpu_fused._certificate(st[..., :5].contiguous(), NB, e["N"], D)
+                cert = cpu_fused._certificate(st, NB, e["N"], D)
                 if cert is not None and impl.cfg.box:
-                    cert = hist_box(cert, st[..., 5:], st[..., :5], NB, e["N"], D, above=impl.cfg.box_above)
+                    cert = hist_box(cert, e["hist"], st, NB, e["N"], D, above=impl.cfg.box_above)
             if cert is None:  # the kernel's output was served: the twin's certificate + its logits' distance
                 impl = e["impl"]
                 cert = impl._twin(e["q"], e["kv"], e["table"], e["N"], e["pos"], served_by_kernel=True, box_form=impl.cfg.box)[2]

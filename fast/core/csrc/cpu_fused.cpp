@@ -274,7 +274,7 @@ struct Args {
     double v_margin;
     // the box form over a histogram of c (fast.core.box.hist_box, spec T9c), when hist is not null: [B, T, H, 3, hist_m],
     // per row its occupied bins in increasing order, then zeros: the largest c^_j of the bin's tokens (+inf for the
-    // overflow bin), the fp64 sum of their w_j and their count (hist_add). 1 <= hist_m <= HIST_K: a row with more
+    // overflow bin), the fp64 sum of their w_j and their count (hist_chunk: the tokens the row reads). 1 <= hist_m <= HIST_K: a row with more
     // occupied bins has neighbours merged (hist_emit) until they fit
     double* hist;
     int64_t hist_m;
@@ -1041,17 +1041,39 @@ float kappa_rows(const float* q, int64_t n, int64_t D, const int64_t* bd, int64_
 // The histogram of c^ for the box form (fast.core.box.hist_box): bin of c^ >= 0 by the float grid (1 + i/16) 2^e it
 // rounds up to, from its bits (the exponent and the top 4 mantissa bits, the rest rounded up: key = ceil(bits / 2^19));
 // keys at or below HIST_KEY0 (c^ <= 2^-14) go to bin 0, keys above HIST_KEY1 (c^ > 2^8, NaN, a sign bit) to the
-// overflow bin HIST_K - 1 (its row's box is 1). hs [3 HIST_K]: the sums of w (fp64, in token order), the counts, the
-// largest c^ of each bin.
+// overflow bin HIST_K - 1 (its row's box is 1).
 constexpr int64_t HIST_KEY0 = 113 << 4, HIST_KEY1 = 135 << 4, HIST_K = HIST_KEY1 - HIST_KEY0 + 2;
-inline void hist_add(double* hs, float c, float w) {
+inline int64_t hist_bin(float c) {
     uint32_t bits;
     std::memcpy(&bits, &c, 4);
     const int64_t key = ((int64_t)bits + 0x7FFFF) >> 19;
-    const int64_t k = key <= HIST_KEY0 ? 0 : key > HIST_KEY1 ? HIST_K - 1 : key - HIST_KEY0;
-    hs[k] += (double)w;
-    hs[HIST_K + k] += 1.0;
-    hs[2 * HIST_K + k] = std::max(hs[2 * HIST_K + k], (double)c);
+    return key <= HIST_KEY0 ? 0 : key > HIST_KEY1 ? HIST_K - 1 : key - HIST_KEY0;
+}
+
+// One chunk's histogram for one row: hs [3 HIST_K] gets, per bin, the sum of w (fp64, in token order), the count and
+// the largest c^ of the chunk's tokens the row reads (o[j] != 0, or every token when o is null; a token it does not
+// read has q = 0 and is left out), c [L] their c^. Only bins hr[0] .. hr[1] (the range of the bins present, zeroed
+// first; {HIST_K, -1} when none) are written: the rest of hs is stale and never read.
+inline void hist_chunk(double* hs, int64_t* hr, const float* c, const float* w, const uint8_t* o, int64_t L) {
+    static thread_local std::vector<int16_t> kbuf;
+    if (kbuf.size() < (size_t)L) kbuf.resize((size_t)L);
+    int16_t* kb = kbuf.data();
+    int64_t lo = HIST_K, hi = -1;
+    for (int64_t j = 0; j < L; ++j) {
+        const int64_t k = (!o || o[j]) ? hist_bin(c[j]) : -1;
+        kb[j] = (int16_t)k;
+        if (k >= 0) lo = std::min(lo, k), hi = std::max(hi, k);
+    }
+    for (int64_t k = lo; k <= hi; ++k) hs[k] = hs[HIST_K + k] = hs[2 * HIST_K + k] = 0.0;
+    for (int64_t j = 0; j < L; ++j) {
+        const int64_t k = kb[j];
+        if (k < 0) continue;
+        hs[k] += (double)w[j];
+        hs[HIST_K + k] += 1.0;
+        hs[2 * HIST_K + k] = std::max(hs[2 * HIST_K + k], (double)c[j]);
+    }
+    hr[0] = lo;
+    hr[1] = hi;
 }
 
 // One row's histogram out: its occupied bins (acc [3 HIST_K]: sums of w, counts, largest c^) in increasing order into
@@ -1095,11 +1117,13 @@ inline double tree8(const double* x) { return ((x[0] + x[1]) + (x[2] + x[3])) + 
 // Z = sum w, S1 = sum w c, S2 = sum (w c) c in fp64 (w c exact: 24 x 24 bits), max c over readable tokens.
 // 8 lanes (token jj goes to lane jj % 8), then the tree of tree8: the AVX2 loop adds the same numbers in
 // the same order as the scalar tail, so both builds give the same bits. out: Z, S1, S2, max c. o null: every
-// token of the chunk is readable (the max over all of them, the same value). hs (not null, rt not null): the chunk's
-// histogram of c (hist_add, a token the row does not read at c = 0), written whole.
+// token of the chunk is readable (the max over all of them, the same value). hs, hr (not null, rt not null): the
+// chunk's histogram of c and its range of bins (hist_chunk).
 inline void row_sums(const float* w, const uint8_t* o, const float* rt, const float* kap, int64_t NB, int64_t L, double* out,
-                     double* hs = nullptr) {
-    if (hs) std::fill(hs, hs + 3 * HIST_K, 0.0);
+                     double* hs = nullptr, int64_t* hr = nullptr) {
+    static thread_local std::vector<float> cbuf;  // the chunk's c^ for the histogram
+    if (hs && cbuf.size() < (size_t)L) cbuf.resize((size_t)L);
+    float* cs = hs ? cbuf.data() : nullptr;
     alignas(32) double lz[8] = {0, 0, 0, 0, 0, 0, 0, 0}, l1[8] = {0, 0, 0, 0, 0, 0, 0, 0}, l2[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     float cm = 0.0f;
     int64_t jj = 0;
@@ -1122,12 +1146,7 @@ inline void row_sums(const float* w, const uint8_t* o, const float* rt, const fl
                 cr = _mm256_and_ps(c, _mm256_castsi256_ps(_mm256_cmpgt_epi32(om, zi)));
             }
             cmv = _mm256_max_ps(cmv, cr);
-            if (hs) {
-                alignas(32) float cl[8], wl[8];
-                _mm256_store_ps(cl, cr);
-                _mm256_store_ps(wl, wv);
-                for (int l = 0; l < 8; ++l) hist_add(hs, cl[l], wl[l]);
-            }
+            if (cs) _mm256_storeu_ps(cs + jj, c);
             const __m256d ca = _mm256_cvtps_pd(_mm256_castps256_ps128(c)), cb = _mm256_cvtps_pd(_mm256_extractf128_ps(c, 1));
             const __m256d wca = _mm256_mul_pd(wa, ca), wcb = _mm256_mul_pd(wb, cb);
             s1a = _mm256_add_pd(s1a, wca);
@@ -1155,12 +1174,13 @@ inline void row_sums(const float* w, const uint8_t* o, const float* rt, const fl
         l2[l] += wc * cd;
         const float cr = (!o || o[jj]) ? c : 0.0f;
         cm = std::max(cm, cr);
-        if (hs) hist_add(hs, cr, w[jj]);
+        if (cs) cs[jj] = c;
     }
     out[0] = tree8(lz);
     out[1] = tree8(l1);
     out[2] = tree8(l2);
     out[3] = (double)cm;
+    if (hs) hist_chunk(hs, hr, cs, w, o, L);
 }
 
 constexpr double STEP_MARGIN = 1.0 + 0x1p-10;      // fast.core.quant.STEP_MARGIN: delta = scale (1 + 2^-10)
@@ -1314,8 +1334,13 @@ void run_args(const Args& a) {
     }
     double* PV = pvst.data();
     static thread_local std::vector<double> phist;  // [items, R, 3 HIST_K]: each chunk's histogram (row_sums)
-    if (a.hist) phist.resize((size_t)(items * R * 3 * HIST_K));
+    static thread_local std::vector<int64_t> phr;   // [items, R, 2]: its range of bins
+    if (a.hist) {
+        phist.resize((size_t)(items * R * 3 * HIST_K));
+        phr.resize((size_t)(items * R * 2));
+    }
     double* PHIST = phist.data();
+    int64_t* PHR = phr.data();
     float* PVM = pvmax.data();
     static thread_local std::vector<double> dcoef, psum2;
     const int64_t dng = a.seg[0].kasym ? D : a.ngk;
@@ -1637,7 +1662,7 @@ void run_args(const Args& a) {
                 const int64_t t = r / G, hq = h * G + r % G;
                 const bool all = plain && j1 - 1 <= (int64_t)a.qpos[b * T + t];
                 row_sums(lg + r * N + j0, all ? nullptr : okr + r * N, rt, KAPPA + ((b * T + t) * H + hq) * NB, NB, L, ps + r * 4,
-                         a.hist ? PHIST + (it * R + r) * 3 * HIST_K : nullptr);
+                         a.hist ? PHIST + (it * R + r) * 3 * HIST_K : nullptr, PHR + (it * R + r) * 2);
             }
         } else {
             for (int64_t r = 0; r < R; ++r) row_sums(lg + r * N + j0, okr + r * N, nullptr, nullptr, 0, L, ps + r * 4);
@@ -1806,10 +1831,14 @@ void run_args(const Args& a) {
             const int64_t b = row / (T * H), t = (row / H) % T, hq = row % H, h = hq / G, r = t * G + hq % G;
             double acc[3 * HIST_K];
             std::fill(acc, acc + 3 * HIST_K, 0.0);
-            for (int64_t c = 0; c < nch; ++c) {
-                const double* hc = PHIST + (((b * Hkv + h) * nch + c) * R + r) * 3 * HIST_K;
-                for (int64_t k = 0; k < 2 * HIST_K; ++k) acc[k] += hc[k];
-                for (int64_t k = 2 * HIST_K; k < 3 * HIST_K; ++k) acc[k] = std::max(acc[k], hc[k]);
+            for (int64_t c = 0; c < nch; ++c) {  // over each chunk's range of bins (hist_chunk)
+                const int64_t i = ((b * Hkv + h) * nch + c) * R + r;
+                const double* hc = PHIST + i * 3 * HIST_K;
+                for (int64_t k = PHR[2 * i]; k <= PHR[2 * i + 1]; ++k) {
+                    acc[k] += hc[k];
+                    acc[HIST_K + k] += hc[HIST_K + k];
+                    acc[2 * HIST_K + k] = std::max(acc[2 * HIST_K + k], hc[2 * HIST_K + k]);
+                }
             }
             hist_emit(acc, a.hist + row * 3 * a.hist_m, a.hist_m);
         }
@@ -2301,6 +2330,37 @@ double box_lambda(const double* p, const double* a, const double* b, int64_t n, 
     return rt > 0 ? 1.0 / std::max(rt, 1e-300) : 0.0;
 }
 
+// box_lambda on a row whose intervals are [-h_j, h_j] with h_j nondecreasing in j (a histogram's bins, hist_box): then
+// r_j = w_j / p_j = (1 - u) e^{h_j} + u e^{-h_j} (in exact arithmetic) is convex in h_j, so the largest ratio among
+// tokens i..j is r_i or r_j, and taking the larger end each time walks the tokens in descending order of r in one pass
+// (no selection). The same threshold as box_lambda up to the order of near-equal ratios and of the sums (any lambda
+// is sound; only the grid's choice could move, in the last bits).
+double box_lambda_vee(const double* p, const double* a, const double* b, int64_t n, double Btot, double u) {
+    const double v = 1 - u, need = u * Btot;
+    double cw = 0.0, rt = 0.0, last = 0.0;
+    // tokens with p = 0 (so w = 0) add nothing and are never the threshold (box_lambda leaves them out): skipped, so
+    // that the ends compared are always two tokens on the convex curve
+    for (int64_t i = 0, j = n - 1;;) {
+        while (i <= j && !(p[i] > 0)) ++i;
+        while (i <= j && !(p[j] > 0)) --j;
+        if (i > j) break;
+        const double wi = v * a[i] + u * b[i], wj = v * a[j] + u * b[j];
+        const double ri = wi / std::max(p[i], 1e-300), rj = wj / std::max(p[j], 1e-300);
+        const bool top = rj >= ri;
+        const double r = top ? rj : ri;
+        top ? --j : ++i;
+        if (!(r > 0)) continue;  // w = 0 (a ratio of 0: box_lambda leaves it out)
+        cw += top ? wj : wi;
+        last = r;
+        if (cw >= need) {
+            rt = r;
+            break;
+        }
+    }
+    if (rt == 0.0) rt = last;  // no token reaches u B (rounding): the last one with r > 0
+    return rt > 0 ? 1.0 / std::max(rt, 1e-300) : 0.0;
+}
+
 // box.py _terms: min over lambda in {0, l0, l1} of max(e(u0, lambda), e(u1, lambda)) (NaN-propagating, as torch), with
 // e(u, lambda) = u - lambda u B + sum_j (lambda w_j(u) - p_j)^+ (box.py _e): the four sums in one pass
 double box_term(const double* p, const double* a, const double* b, int64_t n, double Btot, double u0, double u1, double l0,
@@ -2399,7 +2459,10 @@ int box_row(const double* ql, const double* qh, const double* lo, const double* 
     std::vector<double> U0, U1, L0, L1, T;
     for (auto* x : {&U0, &U1, &L0, &L1, &T}) x->reserve((size_t)M);
     std::vector<double> lam((size_t)grid0);
-    for (int64_t i = 0; i < grid0; ++i) lam[i] = box_lambda(p, a, b, n, Btot, levels[i], rw, sc);
+    bool vee = true;  // [-h_j, h_j], h_j nondecreasing: box_lambda_vee
+    for (int64_t j = 0; j < n; ++j) vee &= lo[j] == -hi[j] && (j == 0 || hi[j] >= hi[j - 1]);
+    auto lambda = [&](double u) { return vee ? box_lambda_vee(p, a, b, n, Btot, u) : box_lambda(p, a, b, n, Btot, u, rw, sc); };
+    for (int64_t i = 0; i < grid0; ++i) lam[i] = lambda(levels[i]);
     for (int64_t i = 0; i + 1 < grid0; ++i) {
         U0.push_back(levels[i]);
         U1.push_back(levels[i + 1]);
@@ -2421,7 +2484,7 @@ int box_row(const double* ql, const double* qh, const double* lo, const double* 
             const double f = (double)s / (double)split;
             const double x = nmin(nmax(a0 + (a1 - a0) * f, a0), a1);
             su[s] = std::max(x, su[s - 1]);  // cummax
-            sl[s] = box_lambda(p, a, b, n, Btot, su[s], rw, sc);
+            sl[s] = lambda(su[s]);
         }
         for (auto* x : {&U0, &U1, &L0, &L1, &T}) x->erase(x->begin() + (std::ptrdiff_t)km);
         for (int64_t s = 0; s < split; ++s) {
@@ -2474,7 +2537,9 @@ int kvcert_box_bound(const double* q_lo, const double* q_hi, const double* lo, c
 #pragma omp parallel for schedule(dynamic, 1) reduction(+ : bad) num_threads(threads)
     for (int64_t i = 0; i < R; ++i) {
         const int64_t o = i * n, g = i * M;
-        bad += box_row(q_lo + o, q_hi + o, lo + o, hi + o, n, levels, grid0, rounds, split, k, bound + i, u0 + g, u1 + g, l0 + g,
+        int64_t m = n;  // trailing tokens with q = 0 and interval [0, 0] (a histogram's empty bins) add 0 to every sum
+        while (m > 1 && q_lo[o + m - 1] == 0 && q_hi[o + m - 1] == 0 && lo[o + m - 1] == 0 && hi[o + m - 1] == 0) --m;
+        bad += box_row(q_lo + o, q_hi + o, lo + o, hi + o, m, levels, grid0, rounds, split, k, bound + i, u0 + g, u1 + g, l0 + g,
                        l1 + g);
     }
     return bad;
