@@ -124,6 +124,29 @@ def test_hist_box_bounds_the_true_tv_and_is_near_the_token_box(case):
     assert bool((got[live] <= 1.04 * tw[live] + 1e-5).all()), (got[live], tw[live], case)
 
 
+def _bits(t):
+    return t.contiguous().view(torch.int64)  # the sign of a zero counts
+
+
+@cases
+def test_hist_bins_cpp_is_the_torch_code_bit_for_bit(case):
+    """csrc kvcert_hist_bins (what hist_box runs) against box.hist_bins' torch code: the same fp64 operations in the
+    same order, so the same bits (zeros' signs included), on the kernel's histogram kept whole and merged to
+    HIST_M and to 3 slots; plus an overflow bin (+inf), a bin whose weights all underflowed (W = 0) and an empty row."""
+    for M in (box.HIST_K, box.HIST_M, 3):
+        _, _, _, _, _, _, stats, hist, _ = _read(case, M)
+        R = stats.shape[0] * stats.shape[1] * stats.shape[2]
+        h, st = hist.reshape(R, 3 * M).clone(), stats.reshape(R, 5)
+        h[0, :3 * M:M] = torch.tensor([math.inf, 0.0, 2.0], dtype=torch.float64)  # slot 0 of row 0: c^ inf, W 0, n 2
+        if R > 1:
+            h[1] = 0.0  # no occupied slot
+        got = box.hist_bins(h, st, 8, case["N"], case["D"], backend="cpp")
+        want = box.hist_bins(h, st, 8, case["N"], case["D"], backend="torch")
+        assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got, want)), f"M {M}, {case}"
+    with pytest.raises(ValueError, match="backend"):
+        box.hist_bins(h, st, 8, case["N"], case["D"], backend="numpy")
+
+
 def test_above_skips_the_rows_already_below_it():
     case = {"seed": 3, "B": 2, "Hkv": 2, "G": 2, "N": 300, "D": 64, "codec": "int4", "mag": 0.3, "padding": False,
             "exact": False}

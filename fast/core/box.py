@@ -30,7 +30,7 @@ from fast.core import _checks, native
 from fast.core.certify import EXP_EPS, SATURATE_C, U32, U64, down64, gamma, up32, up64
 from fast.core.threads import read_threads
 
-GRID0 = 33   # initial levels: uniform in [0, 1]
+GRID0 = 33   # initial levels: uniform in [0, 1] (hist_box: HIST_GRID0)
 ROUNDS = 12  # refinement rounds: the interval holding the max is cut into SPLIT pieces
 SPLIT = 4
 
@@ -74,11 +74,11 @@ def _terms(p, a, b, Btot, u0, u1, l0, l1):
     return best
 
 
-def grid_search(p, a, b, Btot, rounds=ROUNDS, lower=True):
-    """The intervals (u0, u1, l0, l1) [R, M] of the refined grid, their terms [R, M] and the lower
-    estimate [R] (None with lower=False). The intervals of each row partition [0, 1] (unordered)."""
+def grid_search(p, a, b, Btot, rounds=ROUNDS, lower=True, grid0=GRID0):
+    """The intervals (u0, u1, l0, l1) [R, M] of the refined grid (grid0 uniform levels, then `rounds` cuts), their terms
+    [R, M] and the lower estimate [R] (None with lower=False). The intervals of each row partition [0, 1] (unordered)."""
     R = p.shape[0]
-    U = torch.linspace(0, 1, GRID0, dtype=p.dtype, device=p.device).expand(R, -1).contiguous()
+    U = torch.linspace(0, 1, grid0, dtype=p.dtype, device=p.device).expand(R, -1).contiguous()
     lam, f = _greedy(p, a, b, Btot, U, lower)
     lower = f.amax(-1) if lower else None
     u0, u1, l0, l1 = U[:, :-1], U[:, 1:], lam[:, :-1], lam[:, 1:]
@@ -166,7 +166,7 @@ def _chain(grid):
     return u0, u1, l0, l1
 
 
-def _check_enclosed(q_lo, q_hi, lo, hi, rounds):
+def _check_enclosed(q_lo, q_hi, lo, hi, rounds, grid0=GRID0):
     """ValueError unless the inputs are what kvcert_box_bound trusts them to be."""
     ts = {"q_lo": q_lo, "q_hi": q_hi, "lo": lo, "hi": hi}
     for name, t in ts.items():
@@ -180,6 +180,8 @@ def _check_enclosed(q_lo, q_hi, lo, hi, rounds):
         raise ValueError("box_bound_enclosed: no tokens (n = 0)")
     if not isinstance(rounds, int) or rounds < 0:
         raise ValueError(f"box_bound_enclosed: rounds must be an int >= 0 (got {rounds!r})")
+    if not isinstance(grid0, int) or grid0 < 2:
+        raise ValueError(f"box_bound_enclosed: grid0 must be an int >= 2 (got {grid0!r})")
     if not bool(torch.isfinite(q_lo).all() and torch.isfinite(q_hi).all()):
         raise ValueError("box_bound_enclosed: q_lo, q_hi must be finite")
     if bool(lo.isnan().any() or hi.isnan().any()):  # +-inf: a saturated row (bound 1)
@@ -190,17 +192,17 @@ def _check_enclosed(q_lo, q_hi, lo, hi, rounds):
         raise ValueError("box_bound_enclosed: need lo <= hi")
 
 
-def _box_bound_cpp(q_lo, q_hi, lo, hi, rounds):
+def _box_bound_cpp(q_lo, q_hi, lo, hi, rounds, grid0=GRID0):
     """box_bound_enclosed in C++ (csrc/cpu_fused.cpp kvcert_box_bound) on inputs _check_enclosed passed: the same
     algorithm, the margins from here."""
     R, n = q_lo.shape
-    M = (GRID0 - 1) + rounds * (SPLIT - 1)
-    levels = torch.linspace(0, 1, GRID0, dtype=torch.float64)
+    M = (grid0 - 1) + rounds * (SPLIT - 1)
+    levels = torch.linspace(0, 1, grid0, dtype=torch.float64)
     bound = torch.empty(R, dtype=torch.float64)
     grid = tuple(torch.empty(R, M, dtype=torch.float64) for _ in range(4))
     if R:
         bad = native._lib().kvcert_box_bound(
-            q_lo.data_ptr(), q_hi.data_ptr(), lo.data_ptr(), hi.data_ptr(), R, n, levels.data_ptr(), GRID0, rounds, SPLIT,
+            q_lo.data_ptr(), q_hi.data_ptr(), lo.data_ptr(), hi.data_ptr(), R, n, levels.data_ptr(), grid0, rounds, SPLIT,
             SATURATE_C, 1 + 8 * RHO, 1 + 2 * gamma(n + 2), 1 - 2 * (EXP_EPS + gamma(n + 1)), read_threads(),
             bound.data_ptr(), *(t.data_ptr() for t in grid))
         if bad:
@@ -208,7 +210,7 @@ def _box_bound_cpp(q_lo, q_hi, lo, hi, rounds):
     return bound, grid
 
 
-def box_bound_enclosed(q_lo, q_hi, lo, hi, rounds=ROUNDS, backend="auto"):
+def box_bound_enclosed(q_lo, q_hi, lo, hi, rounds=ROUNDS, backend="auto", grid0=GRID0):
     """(bound [R] fp64, grid): bound >= TV(softmax x, softmax xt) whenever q_lo <= softmax(xt) <= q_hi
     and lo_j <= x_j - xt_j <= hi_j for every token j (proofs/Box.v tv_le_box_grid), and bound >=
     the exact value of reference.box:box_grid_bound on the returned grid (u0, u1, l0, l1) [R, M].
@@ -219,26 +221,27 @@ def box_bound_enclosed(q_lo, q_hi, lo, hi, rounds=ROUNDS, backend="auto"):
     backend: "cpp" the C++ twin (CPU tensors, checked: ValueError; rows with no midpoint distribution,
     sum (q_lo + q_hi) = 0, report 1 with a uniform grid, as do saturated rows), "torch" the code below,
     "auto" the C++ twin where the extension is available and the inputs are CPU tensors it takes, else torch.
+    grid0: the grid search's initial uniform levels (any grid is sound; more: tighter, slower).
     """
     if backend not in ("auto", "torch", "cpp"):
         raise ValueError(f"box_bound_enclosed: backend must be auto, torch or cpp (got {backend!r})")
     if backend == "auto":
         ts = [t.contiguous() for t in (q_lo, q_hi, lo, hi)]
         if all(t.device.type == "cpu" for t in ts) and native.available():
-            _check_enclosed(*ts, rounds)  # bad input (NaN, q_lo > q_hi, lo > hi) is refused, never bounded
-            return _box_bound_cpp(*ts, rounds)
+            _check_enclosed(*ts, rounds, grid0)  # bad input (NaN, q_lo > q_hi, lo > hi) is refused, never bounded
+            return _box_bound_cpp(*ts, rounds, grid0)
     elif backend == "cpp":
         if not native.available():
             raise RuntimeError("box_bound_enclosed: backend cpp, but the C++ extension is not available")
-        _check_enclosed(q_lo, q_hi, lo, hi, rounds)
-        return _box_bound_cpp(q_lo, q_hi, lo, hi, rounds)
+        _check_enclosed(q_lo, q_hi, lo, hi, rounds, grid0)
+        return _box_bound_cpp(q_lo, q_hi, lo, hi, rounds, grid0)
     R, n = q_lo.shape
     big = (hi.amax(-1) > SATURATE_C) | (lo.amin(-1) < -SATURATE_C)  # the clamps below would narrow a box: report 1
     lo_c, hi_c = lo.clamp(min=-SATURATE_C), hi.clamp(max=SATURATE_C)
     mid = 0.5 * (q_lo + q_hi)
     p = mid / mid.sum(-1, keepdim=True)
     a, b = p * torch.exp(hi_c), p * torch.exp(lo_c)
-    grid, _, _ = grid_search(p, a, b, b.sum(-1), rounds, lower=False)
+    grid, _, _ = grid_search(p, a, b, b.sum(-1), rounds, lower=False, grid0=grid0)
     grid = _chain(grid)
     T = _certified_terms(q_lo, q_hi, lo_c, hi_c, grid)
     bound = torch.where(big, torch.ones_like(T[:, 0]), T.amax(-1).clamp(max=1.0))
@@ -340,7 +343,10 @@ def box_form_of_read(cert, w, c, e, vmask, D, lo=None, hi=None):
 
 HIST_KEY0, HIST_KEY1 = 113 << 4, 135 << 4  # csrc hist_bin: the grid values 2^-14 and 2^8 (fp32 bits >> 19)
 HIST_K = HIST_KEY1 - HIST_KEY0 + 2         # the grid values from 2^-14 to 2^8, then the overflow bin
-HIST_M = 64  # bins a row's histogram keeps (csrc hist_emit: more occupied ones merge with neighbours; SmolLM2's rows: <= 42)
+# hist_box's pseudo-tokens and initial levels: the box's grid search costs in proportion to both. A row's histogram keeps
+# HIST_M groups (csrc hist_emit merges neighbours beyond: any grouping is sound); SmolLM2's vLLM rows occupy ~20 bins
+HIST_M = 16
+HIST_GRID0 = 17
 
 
 def hist_grid():
@@ -350,22 +356,35 @@ def hist_grid():
     return torch.cat([keys.view(torch.float32).double(), torch.tensor([math.inf], dtype=torch.float64)])
 
 
-def hist_bins(hist, stats, NB, N, D):
+def hist_bins(hist, stats, NB, N, D, backend="auto"):
     """The pseudo-tokens of hist_box (one per occupied bin, then empty ones: q = 0, interval [0, 0], nothing in box_e)
     for R rows: (q_lo, q_hi, lo, hi) [R, M] fp64 contiguous, M the most occupied bins of a row (module doc of
-    hist_box). hist [R, 3 K] (the kernel's: each row's occupied bins first), stats [R, 5] fp64."""
-    K = hist.shape[1] // 3
-    M = max(int((hist[:, 2 * K:] > 0).sum(-1).max()), 1) if len(hist) else 1
-    cb, Wk, nk = (hist[:, i * K:i * K + M] for i in range(3))
-    occ = nk > 0
+    hist_box). hist [R, 3 K] (the kernel's: each row's occupied bins first), stats [R, 5] fp64. backend: "torch" the
+    code below, "cpp" its C++ twin (csrc kvcert_hist_bins: the same operations, the same bits), "auto" the C++ one
+    where the extension is available."""
+    if backend not in ("auto", "torch", "cpp"):
+        raise ValueError(f"hist_bins: backend must be auto, torch or cpp (got {backend!r})")
+    R, K = hist.shape[0], hist.shape[1] // 3
+    M = max(int((hist[:, 2 * K:] > 0).sum(-1).max()), 1) if R else 1
     e = stats[:, 4].numpy()
     e_up, e_dn = (t.view(-1, 1) for t in _exp_enclosure(e, D))
     z_dn, z_up = _z_enclosure(stats[:, :1], N, e_up, e_dn)
     g = 2 * gamma(N)
+    d = up64(2 * stats[:, 4:] + 2.0 ** -149)
+    f1, f2 = 1 + 2 * NB * U32, 1 + 2.0 ** -40
+    if backend == "cpp" or (backend == "auto" and native.available()):
+        out = tuple(torch.empty(R, M, dtype=torch.float64) for _ in range(4))
+        if R:
+            h = hist.to(torch.float64).contiguous()
+            vec = [t.reshape(R).contiguous() for t in (e_up, e_dn, z_dn, z_up, d)]
+            native._lib().kvcert_hist_bins(h.data_ptr(), R, K, M, *(t.data_ptr() for t in vec), 1 + g, 1 - g, f1, f2, TINY32,
+                                           read_threads(), *(t.data_ptr() for t in out))
+        return out
+    cb, Wk, nk = (hist[:, i * K:i * K + M] for i in range(3))
+    occ = nk > 0
     q_hi = up64(up64(up64(up64(Wk * (1 + g)) * e_up) + nk * TINY32) / z_dn)
     q_lo = down64(down64(down64(down64(Wk * (1 - g)) * e_dn) - nk * TINY32).clamp(min=0) / z_up).clamp(min=0)
-    d = up64(2 * stats[:, 4:] + 2.0 ** -149)
-    hk = up64(up64(up64(cb * (1 + 2 * NB * U32)) * (1 + 2.0 ** -40)) + d)
+    hk = up64(up64(up64(cb * f1) * f2) + d)
     q_lo, q_hi, hk = (torch.where(occ, t, 0.0).contiguous() for t in (q_lo, q_hi, hk))
     return q_lo, q_hi, (-hk).contiguous(), hk
 
@@ -394,7 +413,7 @@ def hist_box(cert, hist, stats, NB, N, D, above=0.0):
     st = stats.reshape(R, 5)
     sel = (cert["min"].reshape(R) > above).nonzero().flatten()
     if len(sel):
-        bound, _ = box_bound_enclosed(*hist_bins(hist.reshape(R, hist.shape[-1])[sel], st[sel], NB, N, D))
+        bound, _ = box_bound_enclosed(*hist_bins(hist.reshape(R, hist.shape[-1])[sel], st[sel], NB, N, D), grid0=HIST_GRID0)
         r_w = torch.from_numpy(weight_rounding(st[sel, 4].numpy(), N, D))
         box[sel] = up32(up64(bound + r_w).clamp(max=1.0))
     cert["box"] = box.view(B, T, H)

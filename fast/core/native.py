@@ -146,6 +146,9 @@ def _lib(scalar=False):
         lib.kvcert_box_bound.argtypes = [*[ctypes.c_void_p] * 4, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, *[ctypes.c_int64] * 3,
                                          *[ctypes.c_double] * 4, ctypes.c_int, *[ctypes.c_void_p] * 5]
         lib.kvcert_box_bound.restype = ctypes.c_int
+        lib.kvcert_hist_bins.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 5, *[ctypes.c_double] * 5,
+                                         ctypes.c_int, *[ctypes.c_void_p] * 4]
+        lib.kvcert_hist_bins.restype = None
         lib.kvcert_hist_k.argtypes = []
         lib.kvcert_hist_k.restype = ctypes.c_int64
         _LIB[scalar] = lib

@@ -56,6 +56,7 @@ inline F next_up(F x, F smallest) {
 }
 inline double up(double x) { return next_up<double, uint64_t>(x, 0x1p-1074); }
 inline float upf(float x) { return next_up<float, uint32_t>(x, 0x1p-149f); }
+inline double down(double x) { return -up(-x); }  // std::nextafter(x, -inf): next_up's cases, mirrored
 #if KVCERT_AVX2
 // up() on 4 lanes that are each >= +0, +inf or NaN: +0 -> the smallest subnormal and a finite x -> bits + 1
 // (a true compare is -1 as an integer), +inf and NaN unchanged: up()'s results on those inputs
@@ -1955,7 +1956,7 @@ float kvcert_kappa(const float* q, int64_t n, int64_t D, const int64_t* bands, i
     return kappa_rows(q, n, D, bands, NB, W, s64, margin, k64, k32);
 }
 
-// up / upf against std::nextafter toward +inf: the special values and n pseudo-random bit patterns of each
+// up / upf (and down) against std::nextafter toward +inf (-inf): the special values and n pseudo-random bit patterns of each
 // width (seeded); returns the number of mismatches (bits compared; NaN matches NaN)
 int64_t kvcert_up_check(int64_t n, uint64_t seed) {
     int64_t bad = 0;
@@ -1964,6 +1965,7 @@ int64_t kvcert_up_check(int64_t n, uint64_t seed) {
     const double sp[] = {0.0, -0.0, INFINITY, -INFINITY, NAN, 0x1p-1074, -0x1p-1074, 0x1p-1022, -0x1p-1022, 1.0, -1.0, DBL_MAX, -DBL_MAX};
     for (double x : sp) {
         bad += !same64(up(x), std::nextafter(x, INFINITY));
+        bad += !same64(down(x), std::nextafter(x, -INFINITY));
         bad += !same32(upf((float)x), std::nextafter((float)x, INFINITY));
     }
     uint64_t z = seed;
@@ -1979,6 +1981,7 @@ int64_t kvcert_up_check(int64_t n, uint64_t seed) {
         std::memcpy(&d, &r, 8);
         std::memcpy(&f, &r32, 4);
         bad += !same64(up(d), std::nextafter(d, INFINITY));
+        bad += !same64(down(d), std::nextafter(d, -INFINITY));
         bad += !same32(upf(f), std::nextafter(f, INFINITY));
     }
     return bad;
@@ -2381,7 +2384,6 @@ double box_term(const double* p, const double* a, const double* b, int64_t n, do
     return nmin(nmin(u1, nmax(e00, e10)), nmax(e01, e11));
 }
 
-inline double down(double x) { return std::nextafter(x, -INFINITY); }
 
 struct BoxConst {
     double satc, rho_fac, t1_fac, s2_fac;  // SATURATE_C, 1 + 8 RHO, 1 + 2 gamma_{n+2}, 1 - 2 (EXP_EPS + gamma_{n+1})
@@ -2524,6 +2526,35 @@ int box_row(const double* ql, const double* qh, const double* lo, const double* 
 }  // namespace
 
 extern "C" {
+// box.py hist_bins' [R, M] part, the same fp64 operations in the same order (-ffp-contract=off; up, down: nextafter,
+// as torch.nextafter), so the same bits as its torch twin: hist [R, 3 K] a histogram row per certificate row (its
+// occupied bins in its first slots: largest c^, W, n), per row e_up, e_dn, z_dn, z_up, d; gp = 1 + g, gm = 1 - g,
+// f1 = 1 + 2 NB u32, f2 = 1 + 2^-40. Out [R, M]: q_lo, q_hi, lo = -h, hi = h, 0 (lo -0) where a slot is empty.
+void kvcert_hist_bins(const double* hist, int64_t R, int64_t K, int64_t M, const double* e_up, const double* e_dn,
+                      const double* z_dn, const double* z_up, const double* d, double gp, double gm, double f1, double f2,
+                      double tiny, int threads, double* q_lo, double* q_hi, double* lo, double* hi) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < R; ++r) {
+        const double* h = hist + r * 3 * K;
+        for (int64_t k = 0; k < M; ++k) {
+            const double cb = h[k], W = h[K + k], n = h[2 * K + k];
+            const int64_t o = r * M + k;
+            if (!(n > 0)) {
+                q_lo[o] = q_hi[o] = hi[o] = 0.0;
+                lo[o] = -0.0;
+                continue;
+            }
+            q_hi[o] = up(up(up(up(W * gp) * e_up[r]) + n * tiny) / z_dn[r]);
+            double x = down(down(down(W * gm) * e_dn[r]) - n * tiny);
+            x = down((x < 0 ? 0.0 : x) / z_up[r]);
+            q_lo[o] = x < 0 ? 0.0 : x;
+            const double hk = up(up(up(cb * f1) * f2) + d[r]);
+            hi[o] = hk;
+            lo[o] = -hk;
+        }
+    }
+}
+
 // box.py box_bound_enclosed on R rows of n tokens (row-major fp64; the caller checks them: finite q with
 // 0 <= q_lo <= q_hi, lo <= hi, no NaN, n >= 1, grid0 >= 2 levels from 0 to 1, split >= 2): bound [R] and the chained
 // grid u0, u1, l0, l1 [R, M], M = (grid0 - 1) + rounds (split - 1). Returns the number of rows whose grid did not chain
