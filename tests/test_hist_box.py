@@ -203,6 +203,32 @@ def test_few_bins_merge_neighbours_and_stay_sound(M):
     assert bool((got >= tv).all()), f"unsound with {M} bins: box {got.tolist()} < TV {tv.tolist()}"
 
 
+def test_long_prefill_read_in_blocks_has_the_bits_of_one_call(monkeypatch):
+    """cpu_fused.hist_run (what vLLM's prefill reads with the box call) splits a read's positions so that the kernel's
+    histogram scratch stays under HIST_SCRATCH; each block's rows get the bits of the read in one call (out, stats,
+    histogram), here with the scratch cut so that 45 positions over 1,100 keys take 7 calls."""
+    g = torch.Generator().manual_seed(7)
+    Hkv, G, N, T, D = 2, 3, 1100, 45, 64
+    k, v = torch.randn(1, Hkv, N, D, generator=g), torch.randn(1, Hkv, N, D, generator=g)
+    kq, vq = fast.quantize(k, "int8", group_size=D), fast.quantize(v, "int8", group_size=D)
+    rho = fast.pack_witness(fast.witness(k, fast.dequantize(kq), fast.rope_bands(D, 8)), fine=True).contiguous()
+    s0 = cpu_fused.seg(Hkv, N, k=kq.codes.contiguous(), v=vq.codes.contiguous(), k_scales=kq.scales.contiguous().view(torch.int16),
+                       v_scales=vq.scales.contiguous().view(torch.int16), rho=rho)
+    q = torch.randn(1, T, Hkv * G, D, generator=g)
+    qpos = torch.arange(N - T, N, dtype=torch.int32)[None].contiguous()
+    args = (q, qpos, [s0, cpu_fused.seg(Hkv, 0)], D ** -0.5, fast.rope_bands(D, 8).to(torch.int64).contiguous(), 1, 1)
+    lut = _log_table("cpu", True).to(torch.float32).contiguous()
+    hist1 = torch.empty(1, T, Hkv * G, 3 * box.HIST_M, dtype=torch.float64)
+    out1, st1 = cpu_fused._run(*args, True, lut, hist=hist1)
+    assert cpu_fused.hist_rows(N, Hkv, G) >= T  # the default scratch: one call
+    per = cpu_fused.HIST_SCRATCH // cpu_fused.hist_rows(N, Hkv, G)
+    monkeypatch.setattr(cpu_fused, "HIST_SCRATCH", 7 * per)
+    assert cpu_fused.hist_rows(N, Hkv, G) == 7
+    hist2 = torch.empty_like(hist1)
+    out2, st2 = cpu_fused.hist_run(*args, lut=lut, hist=hist2)
+    assert torch.equal(out1, out2) and torch.equal(st1, st2) and torch.equal(hist1, hist2)
+
+
 @pytest.mark.parametrize("what", ["shape", "too many bins", "dtype", "uncertified"])
 def test_bad_hist_one_value_error(what):
     g = torch.Generator().manual_seed(0)

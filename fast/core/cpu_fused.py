@@ -246,6 +246,37 @@ def _run(q, qpos, segs, s, bands, ngk, ngv, certify, lut=None, scalar=False, out
     return res if vres is None else (*res, vres)
 
 
+HIST_SCRATCH = 64 << 20  # bytes of the histogram's scratch one kernel call may take (csrc phist: 3 HIST_K fp64 per chunk, row)
+
+
+def hist_run(q, qpos, segs, s, bands, ngk, ngv, lut=None, out=None, hist=None):
+    """_run(certify=True, hist=hist) for one sequence (B = 1) in calls of at most hist_rows(...) positions each: the
+    kernel keeps each row's histogram per chunk of keys while it reads (3 HIST_K doubles a (chunk, row): 8.5 KB, ~17
+    bytes per row and key, 4x the logits), so a long prefill read in one call would take GBs; its rows are independent
+    (each reads its own keys), so every row gets the bits of the read in one call. -> (out, stats) as _run."""
+    B, T, H = q.shape[:3]
+    Hkv, N = segs[0]["Hkv"], segs[0]["c"].n + segs[1]["c"].n
+    tb = hist_rows(N, Hkv, H // Hkv)
+    if B != 1 or T <= tb:
+        return _run(q, qpos, segs, s, bands, ngk, ngv, True, lut, out=out, hist=hist)
+    if out is None:
+        out = torch.empty(q.shape, dtype=torch.float32)
+    stats = torch.empty(B, T, H, 5, dtype=torch.float64)
+    for t0 in range(0, T, tb):
+        t1 = min(T, t0 + tb)
+        _, stats[:, t0:t1] = _run(q[:, t0:t1].contiguous(), qpos[:, t0:t1].contiguous(), segs, s, bands, ngk, ngv, True, lut,
+                                  out=out[:, t0:t1], hist=None if hist is None else hist[:, t0:t1])
+    return out, stats
+
+
+def hist_rows(N, Hkv, G):
+    """Query positions per call that keep the kernel's histogram scratch (Hkv x chunks x positions G rows x 3 HIST_K
+    doubles) within HIST_SCRATCH for N keys (at least 1)."""
+    from fast.core.box import HIST_K
+    per = Hkv * int(-(-N // int(_chunk(N)))) * G * 3 * HIST_K * 8
+    return max(1, HIST_SCRATCH // per)
+
+
 _SCRATCH = threading.local()
 
 

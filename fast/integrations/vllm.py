@@ -743,8 +743,11 @@ def _backend_classes():
             hist = None
             if certify and self.cfg.box:  # the box form's histogram of c (_finish: hist_box)
                 hist = torch.empty(*q.shape[:3], 3 * HIST_M, dtype=torch.float64)
-            out, stats = cpu_fused._run(q.contiguous(), qpos, [s0, self._empty_seg()], self.scale, self._bands64, 1, 1, certify,
-                                        lut=lut, out=out, hist=hist)
+            args = (q.contiguous(), qpos, [s0, self._empty_seg()], self.scale, self._bands64, 1, 1)
+            if hist is not None:  # a long prefill read in blocks of rows (cpu_fused.hist_run: bounded scratch, same bits)
+                out, stats = cpu_fused.hist_run(*args, lut=lut, out=out, hist=hist)
+            else:
+                out, stats = cpu_fused._run(*args, certify, lut=lut, out=out)
             return out, stats, hist
 
         def _decode_batch(self, dec, q_all, out_all, kv_cache, md, certify):
