@@ -300,8 +300,8 @@ def _has_avx2():
 
 def test_inline_next_up_is_the_librarys_nextafter():
     """The kernel's up()/upf() (std::nextafter toward +inf without the library call, used for every
-    rounded-up bound: kappa, e, the epilogue) and down() (toward -inf: the box's margins) give the library's bits on +-0, subnormals, +-inf, NaN,
-    +-DBL_MAX and 10^6 random bit patterns of each width; a mismatch would make a bound one ulp low."""
+    rounded-up bound: kappa, e, the epilogue) and down() (toward -inf: the box's margins) give the library's
+    bits on +-0, subnormals, +-inf, NaN, +-DBL_MAX and 10^6 random bit patterns of each width; a mismatch would make a bound one ulp low."""
     import ctypes
     lib = cpu_fused._lib()
     lib.kvcert_up_check.argtypes = [ctypes.c_int64, ctypes.c_uint64]

@@ -393,8 +393,8 @@ def hist_box(cert, hist, stats, NB, N, D, above=0.0):
     """Add the box form to a fused read's certificate: cert ([B, T, H] fp32 dict, fast.core.cpu_fused._certificate of
     stats [B, T, H, 5], the kernel's Z, S1, S2, max c^, e) gets cert["box"] and cert["min"] = min(min, box), the box
     computed on the rows whose min > above (the others' box: 1). hist [B, T, H, 3 K]: the kernel's histogram
-    (cpu_fused._run(hist=...)): the tokens a row reads (the others have q = 0) binned by the grid value (1 + i/16) 2^e their c^_j rounds up to
-    (hist_grid), per row its occupied bins k in order: the largest c^_j of the bin's tokens g_k (+inf: the overflow
+    (cpu_fused._run(hist=...)): the tokens a row reads (the others: q = 0) binned by the grid value (1 + i/16) 2^e
+    their c^_j rounds up to (hist_grid), per row its occupied bins k in order: the largest c^_j of the bin's tokens g_k (+inf: the overflow
     bin, c^ > 2^8), the fp64 sum W_k of their weights w_j and their count n_k, then zeros (a row with more than K
     occupied bins: neighbours merged, csrc hist_emit; a group of tokens like any bin). N: the token count the
     epilogue used (>= each row's).

@@ -185,9 +185,9 @@ def _run(q, qpos, segs, s, bands, ngk, ngv, certify, lut=None, scalar=False, out
     max r_j >= ||v~_j - centre||, over each row's tokens) and vmax [B, Hkv, D] fp32 (max |v~| per channel), for
     fast.core.attention.output_error_from_sums.
     hist (certify): an fp64 contiguous [B, T, H, 3 M] tensor (1 <= M <= HIST_K; box.HIST_M the default) the kernel
-    fills with each row's histogram of c^ (csrc: hist_chunk, hist_emit; the tokens the row reads; its occupied bins first: largest c^, sum of w,
-    count; more than M occupied: neighbours merged until they fit; fast.core.box.hist_box turns it into the
-    box form)."""
+    fills with each row's histogram of c^ over the tokens it reads (csrc: hist_chunk, hist_emit; its occupied bins
+    first: largest c^, sum of w, count; more than M occupied: neighbours merged until they fit; fast.core.box.hist_box
+    turns it into the box form). hist_run: the same read in blocks of positions (bounded scratch)."""
     B, T, H, D, NB = _checked_run(q, qpos, segs, s, bands, ngk, ngv, certify, lut)
     if dither_F is not None:
         if not (certify and segs[0]["c"].n and segs[0]["c"].dith):

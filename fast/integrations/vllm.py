@@ -980,7 +980,8 @@ def _backend_classes():
 def _unbatch(e):
     """A batch entry (_certify: the decode rows of several requests, one each) -> one entry per request."""
     return [{"impl": e["impl"], "request": rid, "layer": e["layer"], "N": N, "T": 1, "pos": _positions(N - 1, N),
-             "stats": e["stats"][i:i + 1], "hist": None if e["hist"] is None else e["hist"][i:i + 1], "cert": None, "q": e["q"][i], "table": e["table"][i:i + 1], "kv": e["kv"]}
+             "stats": e["stats"][i:i + 1], "hist": None if e["hist"] is None else e["hist"][i:i + 1], "cert": None,
+             "q": e["q"][i], "table": e["table"][i:i + 1], "kv": e["kv"]}
             for i, (rid, N) in enumerate(zip(e["batch"], e["Ns"]))]
 
 

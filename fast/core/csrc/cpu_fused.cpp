@@ -275,8 +275,8 @@ struct Args {
     double v_margin;
     // the box form over a histogram of c (fast.core.box.hist_box, spec T9c), when hist is not null: [B, T, H, 3, hist_m],
     // per row its occupied bins in increasing order, then zeros: the largest c^_j of the bin's tokens (+inf for the
-    // overflow bin), the fp64 sum of their w_j and their count (hist_chunk: the tokens the row reads). 1 <= hist_m <= HIST_K: a row with more
-    // occupied bins has neighbours merged (hist_emit) until they fit
+    // overflow bin), the fp64 sum of their w_j and their count (hist_chunk: the tokens the row reads). 1 <= hist_m <=
+    // HIST_K: a row with more occupied bins has neighbours merged (hist_emit) until they fit
     double* hist;
     int64_t hist_m;
 };
